@@ -1,0 +1,195 @@
+"""PyTorch implementations of the ResLin recurrences (DESIGN.md section 1).
+
+Two backends, both in fp32 whatever the input dtype, both differentiable by autograd:
+
+- ``recurrent_reslin``: the per-token reference. It is the definition every other backend is
+  tested against, so it is written to be read, not to be fast.
+- ``chunk_reslin``: the chunked (WY) form for training and prefill on any device. Intra-chunk
+  work runs for all chunks at once; only a short scan over chunks is sequential.
+
+Both take q and k already expanded to the value heads, ``scale`` already resolved, and return
+``(o, S, R)`` in fp32; ``kernels_reslin.reslin_attention`` does the checking and dispatch.
+Layouts: q, k ``[B, T, H, Dk]``, v ``[B, T, H, Dv]``, g, beta, gamma ``[B, T, H]``,
+states ``[B, H, Dk, Dv]`` (key-first: a read is ``S^T x``).
+"""
+
+import torch
+
+CHUNK_SIZE = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-token reference
+# ---------------------------------------------------------------------------------------------
+
+def _write(state, k, v, decay, strength, update):
+    """One state update of section 1: additive ``a S + b k v^T`` or delta
+    ``a S + b k (v - a S^T k)^T``. Shapes: state [B, H, Dk, Dv], k [B, H, Dk], v [B, H, Dv],
+    decay and strength [B, H]."""
+    decayed = decay[..., None, None] * state
+    if update == "delta":
+        v = v - torch.einsum("bhkv,bhk->bhv", decayed, k)
+    return decayed + strength[..., None, None] * k[..., :, None] * v[..., None, :]
+
+
+def _recurrent_one(q, k, v, g, beta, gamma, update, clip, scale, S, R):
+    """The recurrence over one batch of equal-length sequences; S and R are updated copies."""
+    outputs = []
+    for t in range(q.shape[1]):
+        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]
+        a_t = g[:, t].exp()
+        if gamma is None:
+            S = _write(S, k_t, v_t, a_t, beta[:, t], update)
+            o_t = torch.einsum("bhkv,bhk->bhv", S, q_t)
+        else:
+            gamma_t = gamma[:, t]
+            # The residual reads the OLD base state S_{t-1}: not decayed, not yet written.
+            pred_t = torch.einsum("bhkv,bhk->bhv", S, k_t)
+            r_t = (v_t - pred_t).clamp(-clip, clip)
+            base_read = a_t[..., None] * torch.einsum("bhkv,bhk->bhv", S, q_t)
+            R = _write(R, k_t, r_t, a_t, gamma_t, update)
+            o_t = base_read + gamma_t[..., None] * torch.einsum("bhkv,bhk->bhv", R, q_t)
+            S = _write(S, k_t, v_t, a_t, beta[:, t], update)
+        outputs.append(scale * o_t)
+    return torch.stack(outputs, dim=1), S, R
+
+
+def recurrent_reslin(q, k, v, g, beta, gamma, update, clip, scale, S0, R0, cu_seqlens=None):
+    """Per-token fp32 reference. S0 / R0: [N, H, Dk, Dv] fp32 (R0 only with gamma)."""
+    f32 = [None if x is None else x.float() for x in (q, k, v, g, beta, gamma)]
+    if cu_seqlens is None:
+        return _recurrent_one(*f32, update, clip, scale, S0, R0)
+    outputs, finals_S, finals_R = [], [], []
+    for n, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        piece = [None if x is None else x[:, start:end] for x in f32]
+        o, S, R = _recurrent_one(*piece, update, clip, scale, S0[n:n + 1],
+                                 None if R0 is None else R0[n:n + 1])
+        outputs.append(o)
+        finals_S.append(S)
+        finals_R.append(R)
+    R = None if R0 is None else torch.cat(finals_R)
+    return torch.cat(outputs, dim=1), torch.cat(finals_S), R
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked form
+# ---------------------------------------------------------------------------------------------
+
+def _decay_matrix(row_log, col_log, strict):
+    """exp(row_log_i - col_log_j) on (strictly) lower triangle, 0 elsewhere; masked before the
+    exp so the upper triangle, where the difference is positive, never overflows."""
+    C = row_log.shape[-1]
+    mask = torch.ones(C, C, dtype=torch.bool, device=row_log.device).tril(-1 if strict else 0)
+    diff = row_log[..., :, None] - col_log[..., None, :]
+    return torch.where(mask, diff, float("-inf")).exp()
+
+
+def _chunk_scan(q, k, v, g, strength, state, update, exclusive):
+    """Section 1's chunked form for one state. Inputs chunked and fp32: q, k [B, H, N, C, Dk],
+    v [B, H, N, C, Dv], g, strength [B, H, N, C]; state [B, H, Dk, Dv].
+
+    Returns (o, pred, final state). With ``exclusive`` the outputs read the decayed OLD state,
+    a_t S_{t-1}^T q_t, and pred = S_{t-1}^T k_t is returned too (what the residual rules need);
+    otherwise o_t = S_t^T q_t and pred is None.
+    """
+    G = g.cumsum(-1)                                                  # log decay since chunk start
+    decay_in = G.exp()                                                # exp(G_i)
+    A_incl = _decay_matrix(G, G, strict=False)                        # exp(G_i - G_j), j <= i
+    A_strict = _decay_matrix(G, G, strict=True)
+    KK = k @ k.transpose(-1, -2)
+
+    # WY form: the write of chunk n is U = U0 - W S_start, with U0 and W independent of the state.
+    # Delta: [I + B (A^- * K K^T)] U = B (V - diag(exp G) K S_start).
+    # Additive: U = B V (the write does not read the state).
+    bv = strength[..., None] * v
+    if update == "delta":
+        C = q.shape[-2]
+        eye = torch.eye(C, dtype=q.dtype, device=q.device)
+        lower = eye + strength[..., None] * (A_strict * KK)
+        U0 = torch.linalg.solve_triangular(lower, bv, upper=False, unitriangular=True)
+        W = torch.linalg.solve_triangular(lower, (strength * decay_in)[..., None] * k,
+                                          upper=False, unitriangular=True)
+    else:
+        U0, W = bv, None
+
+    QK = q @ k.transpose(-1, -2)
+    attend = (A_strict if exclusive else A_incl) * QK
+    q_in = decay_in[..., None] * q
+    if exclusive:
+        # S_{t-1} read at step t: decay exp(G_{t-1} - G_j) = exp(G_t - g_t - G_j), computed
+        # directly; dividing a decayed read by a_t would divide by numbers that can be ~0.
+        G_prev = G - g
+        pred_attend = _decay_matrix(G_prev, G, strict=True) * KK
+        k_prev = G_prev.exp()[..., None] * k
+    G_last = G[..., -1]
+    k_out = (G_last[..., None] - G).exp()[..., None] * k              # exp(G_C - G_j) k_j
+
+    outputs, preds = [], []
+    for n in range(q.shape[2]):
+        U = U0[:, :, n] if W is None else U0[:, :, n] - W[:, :, n] @ state
+        outputs.append(q_in[:, :, n] @ state + attend[:, :, n] @ U)
+        if exclusive:
+            preds.append(k_prev[:, :, n] @ state + pred_attend[:, :, n] @ U)
+        state = G_last[:, :, n, None, None].exp() * state + k_out[:, :, n].transpose(-1, -2) @ U
+    o = torch.stack(outputs, dim=2)
+    return o, (torch.stack(preds, dim=2) if exclusive else None), state
+
+
+def _to_chunks(x, chunk_size):
+    """[B, T, H, ...] -> [B, H, N, C, ...], zero-padded at the end. Zero padding is inert:
+    g = 0 does not decay, beta = gamma = 0 and k = 0 write nothing, so padded steps leave
+    the states exactly as the last real token left them."""
+    B, T, H = x.shape[:3]
+    N = -(-T // chunk_size)
+    pad = N * chunk_size - T
+    if pad:
+        x = torch.cat([x, x.new_zeros(B, pad, *x.shape[2:])], dim=1)
+    x = x.reshape(B, N, chunk_size, H, *x.shape[3:])
+    return x.movedim(3, 1)
+
+
+def _from_chunks(x, T):
+    B, H, N, C = x.shape[:4]
+    return x.movedim(1, 3).reshape(B, N * C, H, *x.shape[4:])[:, :T]
+
+
+def _chunk_batch(q, k, v, g, beta, gamma, update, clip, scale, S0, R0, chunk_size):
+    T = q.shape[1]
+    qc, kc, vc = (_to_chunks(x, chunk_size) for x in (q * scale, k, v))
+    gc, bc = _to_chunks(g, chunk_size), _to_chunks(beta, chunk_size)
+    if gamma is None:
+        o, _, S = _chunk_scan(qc, kc, vc, gc, bc, S0, update, exclusive=False)
+        return _from_chunks(o, T), S, None
+    base_read, pred, S = _chunk_scan(qc, kc, vc, gc, bc, S0, update, exclusive=True)
+    residual = (vc - pred).clamp(-clip, clip)
+    gc_gamma = _to_chunks(gamma, chunk_size)
+    residual_read, _, R = _chunk_scan(qc, kc, residual, gc, gc_gamma, R0, update, exclusive=False)
+    o = base_read + gc_gamma[..., None] * residual_read
+    return _from_chunks(o, T), S, R
+
+
+def _pack_to_batch(x, cu_seqlens, max_len):
+    """Packed [1, T, ...] -> zero right-padded [N, max_len, ...] (see _to_chunks on padding)."""
+    pieces = []
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        piece = x[0, start:end]
+        pad = max_len - (end - start)
+        pieces.append(torch.cat([piece, piece.new_zeros(pad, *piece.shape[1:])]) if pad else piece)
+    return torch.stack(pieces)
+
+
+def chunk_reslin(q, k, v, g, beta, gamma, update, clip, scale, S0, R0, cu_seqlens=None,
+                 chunk_size=CHUNK_SIZE):
+    """Chunked fp32 computation of exactly what ``recurrent_reslin`` computes."""
+    f32 = [None if x is None else x.float() for x in (q, k, v, g, beta, gamma)]
+    if cu_seqlens is None:
+        if q.shape[1] == 1:
+            # One decode step: the chunk machinery (a triangular solve of size 1) is pure overhead.
+            return _recurrent_one(*f32, update, clip, scale, S0, R0)
+        return _chunk_batch(*f32, update, clip, scale, S0, R0, chunk_size)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    max_len = max(lengths)
+    padded = [None if x is None else _pack_to_batch(x, cu_seqlens, max_len) for x in f32]
+    o, S, R = _chunk_batch(*padded, update, clip, scale, S0, R0, chunk_size)
+    o = torch.cat([o[n, :length] for n, length in enumerate(lengths)])[None]
+    return o, S, R
