@@ -1,0 +1,112 @@
+"""ResLinCache: the generation cache of ResLin models.
+
+Per layer it holds what the next tokens need:
+- linear attention layers: the last `conv_size - 1` inputs of the q, k and v short convolutions
+  and the recurrent states S (and R with the residual rule), fp32 [B, HV, Dk, Dv];
+- full attention layers: keys and values [B, kv_heads, L, head_dim], only the last
+  `sliding_window - 1` positions when the layer has a sliding window.
+
+It is a self-contained class rather than a `transformers.cache_utils.Cache` subclass: the
+`Cache` base changed between transformers 5.17 and 5.24 and assumes per-layer key/value
+tensors, while generate only needs the handful of members defined here. A recurrent state
+cannot be rolled back without keeping every intermediate state, so the cache cannot be
+cropped: assisted and speculative decoding are refused.
+"""
+
+import torch
+
+
+class ResLinCache:
+    # generate reads these: no static shapes to compile against, no rollback.
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, config, batch_size):
+        self.layer_types = list(config.layer_types)
+        self.batch_size = batch_size
+        self._signature = self.signature(config)
+        num_layers = len(self.layer_types)
+        self.conv_states = [None] * num_layers  # (q, k, v) conv inputs, each [B, D, conv_size - 1]
+        self.recurrent_states = [None] * num_layers  # (S, R), R None without the residual rule
+        self.key_cache = [None] * num_layers
+        self.value_cache = [None] * num_layers
+        self.sliding_window = config.sliding_window
+        self._seen_tokens = 0
+
+    @staticmethod
+    def signature(config):
+        """Everything about a model that fixes the shapes this cache holds."""
+        return (
+            tuple(config.layer_types),
+            ("linear", config.num_heads, config.head_dim, config.num_v_heads, config.head_v_dim,
+             config.conv_size, config.use_residual),
+            ("attention", config.num_key_value_heads, config.attention_head_dim, config.sliding_window),
+        )
+
+    def check_compatible(self, config, batch_size):
+        if self.signature(config) != self._signature:
+            raise ValueError(
+                "This ResLinCache was built for another model (layer types, head counts, head sizes, conv size, "
+                f"residual state or sliding window differ): cache {self._signature}, model {self.signature(config)}. "
+                "Pass cache=None to let the model build its own.")
+        if batch_size != self.batch_size:
+            raise ValueError(f"This ResLinCache holds a batch of {self.batch_size} sequences but the input has "
+                             f"{batch_size} rows")
+
+    @property
+    def is_linear(self):
+        return [layer_type == "linear_attention" for layer_type in self.layer_types]
+
+    @property
+    def is_sliding(self):
+        return [layer_type == "full_attention" and self.sliding_window is not None
+                for layer_type in self.layer_types]
+
+    def __len__(self):
+        return len(self.layer_types)
+
+    def get_seq_length(self, layer_idx=0):
+        """Number of tokens the cache has seen (padding included), the same for every layer."""
+        return self._seen_tokens
+
+    def advance(self, num_tokens):
+        """Called by the model once per forward, after every layer has updated its entry."""
+        self._seen_tokens += num_tokens
+
+    def update_attention(self, layer_idx, keys, values):
+        """Append this step's keys/values [B, kv_heads, T, D]; return the cached ones followed by them."""
+        if self.key_cache[layer_idx] is not None:
+            keys = torch.cat([self.key_cache[layer_idx], keys], dim=2)
+            values = torch.cat([self.value_cache[layer_idx], values], dim=2)
+        # A query sees itself and the `sliding_window - 1` positions before it: older ones are never read again.
+        keep = keys.shape[2] if self.sliding_window is None else self.sliding_window - 1
+        self.key_cache[layer_idx] = keys[:, :, keys.shape[2] - keep:]
+        self.value_cache[layer_idx] = values[:, :, values.shape[2] - keep:]
+        return keys, values
+
+    def reorder_cache(self, beam_idx):
+        """Beam search: row i continues from row beam_idx[i]."""
+        def select(x):
+            return None if x is None else x.index_select(0, beam_idx.to(x.device))
+
+        for i in range(len(self.layer_types)):
+            if self.conv_states[i] is not None:
+                self.conv_states[i] = tuple(select(x) for x in self.conv_states[i])
+            if self.recurrent_states[i] is not None:
+                self.recurrent_states[i] = tuple(select(x) for x in self.recurrent_states[i])
+            self.key_cache[i] = select(self.key_cache[i])
+            self.value_cache[i] = select(self.value_cache[i])
+        self.batch_size = beam_idx.shape[0]
+
+    def crop(self, max_length):
+        raise NotImplementedError(
+            "ResLinCache cannot be cropped: a recurrent state cannot be rolled back to an earlier token. "
+            "Assisted / speculative decoding (assistant_model, prompt_lookup_num_tokens) is not supported.")
+
+    def activate_past_recording(self):
+        raise NotImplementedError(
+            "ResLinCache cannot record past states for rollback: assisted / speculative decoding "
+            "(assistant_model, prompt_lookup_num_tokens) is not supported by ResLin models.")
+
+
+__all__ = ["ResLinCache"]

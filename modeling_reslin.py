@@ -1,0 +1,470 @@
+"""ResLin models: causal LMs whose token mixers are residual / Kaczmarz / gated-delta linear attention.
+
+The recurrence itself (DESIGN.md section 1) lives in `reslin_attention` (kernels_reslin.py); this
+file computes its inputs (features and gates), wraps it in pre-norm blocks with a SwiGLU MLP, and
+handles padding masks and the generation cache. Parameter names follow FLA's GatedDeltaNet
+(`model.embeddings`, `layers.*.attn.{q,k,v}_proj`, `a_proj`, `b_proj`, `A_log`, `dt_bias`,
+`{q,k,v}_conv1d`, `g_proj`, `o_norm`, `o_proj`, `mlp.{gate,up,down}_proj`, `model.norm`,
+`lm_head`), so FLA checkpoints convert by copying names; the residual rules add `gamma_proj`.
+
+Padding: a padded position leaves every state as it found it (its conv input is zeroed, and
+g = beta = gamma = 0 there), and full attention layers mask padded keys and take RoPE positions
+from the mask, so each row of a padded batch gives the logits of that row run alone.
+"""
+
+import math
+from dataclasses import fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
+
+from .cache_reslin import ResLinCache
+from .configuration_reslin import ResLinConfig
+from .kernels_reslin import reslin_attention
+
+logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed the outputs' `past_key_values` field to `cache`; generate reads the
+# cache back under the name its own output classes declare.
+CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
+
+
+def l2_normalize(x, eps=1e-6):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class ResLinRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+class ResLinGatedRMSNorm(ResLinRMSNorm):
+    """RMSNorm(o) * SiLU(gate) per head, in fp32 (FLA's FusedRMSNormGated)."""
+
+    def forward(self, x, gate):
+        return (super().forward(x.float()) * F.silu(gate.float())).to(x.dtype)
+
+
+class ResLinShortConvolution(nn.Conv1d):
+    """Causal depthwise convolution followed by SiLU; weight [D, 1, K] like FLA's ShortConvolution.
+
+    `state` holds the last K - 1 inputs before `x` (zeros at the start of a sequence), so a
+    prefill, a decode step and a prefill continuing from a cache are one code path.
+    """
+
+    def __init__(self, dim, kernel_size):
+        super().__init__(dim, dim, kernel_size, groups=dim, bias=False)
+
+    def forward(self, x, state=None):
+        x = x.transpose(1, 2)  # [B, D, T]
+        if state is None:
+            state = x.new_zeros(x.shape[0], x.shape[1], self.kernel_size[0] - 1)
+        x = torch.cat([state.to(x.dtype), x], dim=-1)
+        y = F.silu(F.conv1d(x, self.weight, groups=self.groups))
+        return y.transpose(1, 2), x[..., x.shape[-1] - state.shape[-1]:]
+
+
+class ResLinLinearAttention(nn.Module):
+    """The recurrent token mixer: features and gates per head, then `reslin_attention`."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_v_heads = config.num_v_heads
+        self.head_dim = config.head_dim
+        self.head_v_dim = config.head_v_dim
+        self.update_rule = config.update_rule
+        self.step_rule = config.step_rule
+        self.use_residual = config.use_residual
+        self.residual_clip = config.residual_clip
+        self.kaczmarz_eps = config.kaczmarz_eps
+        self.kernel_backend = config.kernel_backend
+        key_dim = self.num_heads * self.head_dim
+        value_dim = self.num_v_heads * self.head_v_dim
+
+        self.q_proj = nn.Linear(config.hidden_size, key_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, key_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, value_dim, bias=False)
+        self.a_proj = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.b_proj = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        if self.use_residual:
+            self.gamma_proj = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        # Filled by ResLinPreTrainedModel._init_weights (Mamba2's initialisation).
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        self.q_conv1d = ResLinShortConvolution(key_dim, config.conv_size)
+        self.k_conv1d = ResLinShortConvolution(key_dim, config.conv_size)
+        self.v_conv1d = ResLinShortConvolution(value_dim, config.conv_size)
+        self.g_proj = nn.Linear(config.hidden_size, value_dim, bias=False)
+        self.o_norm = ResLinGatedRMSNorm(self.head_v_dim, eps=config.norm_eps)
+        self.o_proj = nn.Linear(value_dim, config.hidden_size, bias=False)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None):
+        """`attention_mask`: None (no padding) or bool [B, past + T]; `position_ids` is unused."""
+        B, T, _ = hidden_states.shape
+        token_mask = None if attention_mask is None else attention_mask[:, -T:]
+        if token_mask is not None:
+            # Zero inputs keep the short convolutions' windows as if padding were not there.
+            hidden_states = hidden_states * token_mask[..., None].to(hidden_states.dtype)
+        x = hidden_states
+
+        conv_state = cache.conv_states[self.layer_idx] if cache is not None else None
+        q_state, k_state, v_state = conv_state if conv_state is not None else (None, None, None)
+        q, q_state = self.q_conv1d(self.q_proj(x), q_state)
+        k, k_state = self.k_conv1d(self.k_proj(x), k_state)
+        v, v_state = self.v_conv1d(self.v_proj(x), v_state)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_heads, self.head_dim)
+        v = v.view(B, T, self.num_v_heads, self.head_v_dim)
+
+        # Gates in fp32: g = -exp(A_log) * softplus(a_proj x + dt_bias) <= 0, beta = sigmoid(b_proj x).
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        beta = self.b_proj(x).float().sigmoid()
+        q = l2_normalize(q)
+        if self.step_rule == "kaczmarz":
+            # KLA keeps raw keys and takes the step eta / (||k||^2 + eps), per key head shared by its value heads.
+            key_norm2 = k.float().pow(2).sum(-1).repeat_interleave(self.num_v_heads // self.num_heads, dim=-1)
+            beta = beta / (key_norm2 + self.kaczmarz_eps)
+        else:
+            k = l2_normalize(k)
+        gamma = self.gamma_proj(x).float().sigmoid() if self.use_residual else None
+        if token_mask is not None:
+            # a = exp(0) = 1 and zero write strengths: a padded position passes every state through unchanged.
+            step = token_mask.to(g.dtype)[..., None]
+            g, beta = g * step, beta * step
+            gamma = gamma * step if gamma is not None else None
+
+        o, final_state = reslin_attention(
+            q, k, v, g, beta, gamma,
+            update=self.update_rule,
+            clip=self.residual_clip,
+            initial_state=cache.recurrent_states[self.layer_idx] if cache is not None else None,
+            output_final_state=cache is not None,
+            backend=self.kernel_backend,
+        )
+        if cache is not None:
+            cache.conv_states[self.layer_idx] = (q_state, k_state, v_state)
+            cache.recurrent_states[self.layer_idx] = final_state
+
+        gate = self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
+        o = self.o_norm(o, gate)
+        return self.o_proj(o.reshape(B, T, -1))
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class ResLinAttention(nn.Module):
+    """Full softmax attention (hybrid stacks): GQA, RoPE, optional sliding window, through SDPA."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.attention_head_dim
+        self.rope_theta = config.rope_theta
+        self.sliding_window = config.sliding_window
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def rotary(self, position_ids, dtype):
+        # Recomputed per call rather than kept as a buffer: cheap, and nothing to (re)initialise on load.
+        exponent = torch.arange(0, self.head_dim, 2, device=position_ids.device, dtype=torch.float32) / self.head_dim
+        freqs = position_ids[..., None].float() * self.rope_theta ** -exponent  # [B, T, D/2]
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def visibility(self, attention_mask, num_cached, T, device):
+        """Boolean [B or 1, 1, T, num_cached + T] SDPA mask: causal, sliding window, padded keys."""
+        query = torch.arange(T, device=device)[:, None] + num_cached
+        key = torch.arange(num_cached + T, device=device)[None]
+        visible = key <= query
+        if self.sliding_window is not None:
+            visible = visible & (query - key < self.sliding_window)
+        visible = visible[None, None]
+        if attention_mask is not None:
+            visible = visible & attention_mask[:, None, None, -(num_cached + T):]
+        # A padded query may see no key at all, which gives NaN; let it see every key instead:
+        # its output only ever reaches padded positions, which later layers ignore.
+        return visible | ~visible.any(-1, keepdim=True)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None):
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.rotary(position_ids, q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update_attention(self.layer_idx, k, v)
+        num_cached = k.shape[2] - T
+        mask = self.visibility(attention_mask, num_cached, T, q.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class ResLinMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ResLinBlock(GradientCheckpointingLayer):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.attn_norm = ResLinRMSNorm(config.hidden_size, eps=config.norm_eps)
+        if config.layer_types[layer_idx] == "linear_attention":
+            self.attn = ResLinLinearAttention(config, layer_idx)
+        else:
+            self.attn = ResLinAttention(config, layer_idx)
+        self.mlp_norm = ResLinRMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = ResLinMLP(config)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None):
+        hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), attention_mask, position_ids, cache)
+        return hidden_states + self.mlp(self.mlp_norm(hidden_states))
+
+
+class ResLinPreTrainedModel(PreTrainedModel):
+    config_class = ResLinConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["ResLinBlock"]
+    _input_embed_layer = "embeddings"
+    _supports_sdpa = True
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls):
+        # transformers' DynamicCache cannot hold recurrent states: the model builds a ResLinCache.
+        return False
+
+    def _init_weights(self, module):
+        super()._init_weights(module)  # linear, conv and embedding weights normal(0, initializer_range), norms one
+        if isinstance(module, ResLinLinearAttention):
+            # Mamba2: A ~ U(0, 16); dt log-uniform in [1e-3, 1e-1], dt_bias = softplus^-1(dt).
+            A = torch.empty_like(module.A_log, dtype=torch.float32).uniform_(0, 16)
+            init.copy_(module.A_log, A.log())
+            dt = torch.exp(torch.rand_like(A) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp(min=1e-4)
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+
+
+def check_attention_mask(attention_mask, batch_size, total_length):
+    """Validate a 2-D padding mask; return it as bool, or None when nothing is padded."""
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch_size, total_length):
+        raise ValueError(f"attention_mask must have shape [batch, past + new tokens] = [{batch_size}, {total_length}], "
+                         f"got {tuple(attention_mask.shape)}")
+    if not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError("attention_mask must contain only 0 (padding) and 1 (token)")
+    mask = attention_mask.bool()
+    if mask.all():
+        return None
+    m = mask.int()
+    runs = m[:, :1] + (m[:, 1:] > m[:, :-1]).sum(-1, keepdim=True)
+    if (runs > 1).any():
+        raise ValueError("attention_mask has padding between tokens: each row's ones must be contiguous "
+                         "(left or right padding only)")
+    return mask
+
+
+class ResLinModel(ResLinPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList([ResLinBlock(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = ResLinRMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_hidden_states=None,
+        return_dict=None,
+        past_key_values=None,
+        **kwargs,
+    ):
+        cache = resolve_cache_keyword(cache, past_key_values)
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size):
+                raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got values in "
+                                 f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+            inputs_embeds = self.embeddings(input_ids)
+        B, T = inputs_embeds.shape[:2]
+
+        if any(layer.gradient_checkpointing for layer in self.layers) and self.training and torch.is_grad_enabled():
+            # The backward replay would read states the forward already advanced.
+            if use_cache or cache is not None:
+                logger.warning_once("A cache is incompatible with gradient checkpointing in training: not using one.")
+            use_cache, cache = False, None
+        if cache is not None:
+            cache.check_compatible(self.config, B)
+        elif use_cache:
+            cache = ResLinCache(self.config, B)
+        past = cache.get_seq_length() if cache is not None else 0
+
+        if attention_mask is not None:
+            attention_mask = check_attention_mask(attention_mask, B, past + T)
+        if position_ids is None and "full_attention" in self.config.layer_types:
+            if attention_mask is not None:
+                # Count only real tokens, so RoPE matches the unpadded sequence.
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            else:
+                position_ids = torch.arange(past, past + T, device=inputs_embeds.device).expand(B, T)
+
+        hidden_states = inputs_embeds
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask, position_ids, cache=cache)
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
+        if cache is not None:
+            cache.advance(T)
+
+        output = BaseModelOutputWithPast(last_hidden_state=hidden_states, hidden_states=all_hidden_states,
+                                         **{CACHE_FIELD: cache})
+        return output if return_dict else output.to_tuple()
+
+
+def resolve_cache_keyword(cache, past_key_values):
+    # transformers 5.24's generate passes `cache=`, 5.17's `past_key_values=`: accept both.
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("Pass the cache as either `cache` or `past_key_values`, not two different ones")
+    return cache if cache is not None else past_key_values
+
+
+class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = ResLinModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_hidden_states=None,
+        return_dict=None,
+        logits_to_keep=0,
+        past_key_values=None,
+        **kwargs,
+    ):
+        """`labels` [B, T] give the next-token cross-entropy (shifted inside, -100 ignored).
+        `logits_to_keep`: an int keeps the logits of that many last positions (0 = all), a tensor
+        selects positions."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=resolve_cache_keyword(cache, past_key_values),
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                        **{CACHE_FIELD: outputs[CACHE_FIELD] if CACHE_FIELD in outputs else None})
+        return output if return_dict else output.to_tuple()
+
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        # generate trims a continued prompt to the tokens the cache has not seen only when some layer
+        # is not linear (5.24); trim here for every model, from the mask that covers all tokens.
+        cache = model_inputs.get(CACHE_FIELD)
+        attention_mask = model_inputs.get("attention_mask")
+        ids = model_inputs.get("input_ids")
+        if cache is not None and attention_mask is not None and ids is not None:
+            new_tokens = attention_mask.shape[1] - cache.get_seq_length()
+            if ids.shape[1] > new_tokens:
+                model_inputs["input_ids"] = ids[:, ids.shape[1] - new_tokens:]
+        return model_inputs
+
+    def generate(self, *args, **kwargs):
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        if (kwargs.get("assistant_model") is not None
+                or kwargs.get("prompt_lookup_num_tokens") is not None
+                or getattr(generation_config, "prompt_lookup_num_tokens", None) is not None
+                or kwargs.get("assistant_early_exit") is not None
+                or getattr(generation_config, "assistant_early_exit", None) is not None):
+            raise ValueError(
+                "ResLin models do not support assisted or speculative decoding (assistant_model, "
+                "prompt_lookup_num_tokens, assistant_early_exit): rejecting draft tokens needs the recurrent state "
+                "rolled back, which ResLinCache cannot do")
+        return super().generate(*args, **kwargs)
+
+
+# save_pretrained copies this file and its `from .x import` siblings only for registered classes.
+ResLinModel.register_for_auto_class("AutoModel")
+ResLinForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = ["ResLinPreTrainedModel", "ResLinModel", "ResLinForCausalLM"]
