@@ -1,0 +1,126 @@
+"""ResLinConfig: presets, defaults, validation and serialisation."""
+
+import json
+
+import pytest
+
+PRESETS = {
+    "sgla": ("additive", "gated", False),
+    "gdn": ("delta", "gated", False),
+    "kla": ("delta", "kaczmarz", False),
+    "rla": ("additive", "gated", True),
+    "rdn": ("delta", "gated", True),
+    "rkla": ("delta", "kaczmarz", True),
+}
+
+
+@pytest.mark.parametrize("attn_type", list(PRESETS))
+def test_preset_fills_settings(reslin, attn_type):
+    config = reslin.ResLinConfig(attn_type=attn_type)
+    assert (config.update_rule, config.step_rule, config.use_residual) == PRESETS[attn_type]
+    assert config.model_type == "reslin"
+
+
+@pytest.mark.parametrize("attn_type", list(PRESETS))
+def test_preset_accepts_repeated_settings(reslin, attn_type):
+    update_rule, step_rule, use_residual = PRESETS[attn_type]
+    config = reslin.ResLinConfig(attn_type=attn_type, update_rule=update_rule, step_rule=step_rule,
+                                 use_residual=use_residual)
+    assert config.attn_type == attn_type
+
+
+@pytest.mark.parametrize("setting, value", [("update_rule", "additive"), ("step_rule", "kaczmarz"),
+                                            ("use_residual", False)])
+def test_preset_contradiction_names_both(reslin, setting, value):
+    with pytest.raises(ValueError, match=rf"attn_type='rdn'.*{setting}"):
+        reslin.ResLinConfig(attn_type="rdn", **{setting: value})
+
+
+def test_custom_needs_every_setting(reslin):
+    with pytest.raises(ValueError, match="step_rule, use_residual"):
+        reslin.ResLinConfig(attn_type=None, update_rule="delta")
+    config = reslin.ResLinConfig(attn_type=None, update_rule="additive", step_rule="kaczmarz", use_residual=True)
+    assert (config.update_rule, config.step_rule, config.use_residual) == ("additive", "kaczmarz", True)
+
+
+def test_defaults(reslin):
+    config = reslin.ResLinConfig(hidden_size=1024, num_hidden_layers=3, num_heads=4, head_dim=64)
+    assert config.attn_type == "rdn"
+    assert config.intermediate_size == 2816  # 8/3 * 1024 = 2730.7, rounded up to a multiple of 256
+    assert config.num_v_heads == 4 and config.head_v_dim == 64
+    assert config.layer_types == ["linear_attention"] * 3
+    assert config.num_attention_heads == 4 and config.num_key_value_heads == 4
+    assert config.attention_head_dim == 256
+    assert config.conv_size == 4 and config.residual_clip == 1.0 and config.kaczmarz_eps == 1e-6
+    assert config.kernel_backend == "auto" and config.sliding_window is None
+    assert set(config.auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+
+
+def test_value_head_dim(reslin):
+    assert reslin.ResLinConfig(head_dim=64, expand_v=2).head_v_dim == 128
+    assert reslin.ResLinConfig(head_dim=64, expand_v=0.5).head_v_dim == 32
+
+
+INVALID = [
+    ({"attn_type": "mamba"}, "attn_type"),
+    ({"attn_type": None, "update_rule": "hebbian", "step_rule": "gated", "use_residual": False}, "update_rule"),
+    ({"attn_type": None, "update_rule": "delta", "step_rule": "newton", "use_residual": False}, "step_rule"),
+    ({"attn_type": None, "update_rule": "delta", "step_rule": "gated", "use_residual": "yes"}, "use_residual"),
+    ({"residual_clip": 0.0}, "residual_clip"),
+    ({"residual_clip": -1.0}, "residual_clip"),
+    ({"kaczmarz_eps": 0}, "kaczmarz_eps"),
+    ({"vocab_size": 0}, "vocab_size"),
+    ({"hidden_size": -4}, "hidden_size"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers"),
+    ({"num_heads": 0}, "num_heads"),
+    ({"head_dim": 0}, "head_dim"),
+    ({"head_dim": 257}, "head_dim"),
+    ({"head_dim": 64, "expand_v": 4.5}, "value head size"),
+    ({"head_dim": 5, "expand_v": 0.5}, "value head size"),
+    ({"head_dim": 64, "expand_v": 0.0}, "expand_v"),
+    ({"num_heads": 4, "num_v_heads": 6}, "num_v_heads"),
+    ({"conv_size": 0}, "conv_size"),
+    ({"intermediate_size": 0}, "intermediate_size"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"norm_eps": 0}, "norm_eps"),
+    ({"num_hidden_layers": 2, "layer_types": ["linear_attention"]}, "layer_types"),
+    ({"num_hidden_layers": 1, "layer_types": ["mamba"]}, "layer_types"),
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"hidden_size": 30, "num_attention_heads": 4}, "attention_head_dim"),
+    ({"attention_head_dim": 300}, "attention_head_dim"),
+    ({"attention_head_dim": 7}, "attention_head_dim"),
+    ({"rope_theta": 0}, "rope_theta"),
+    ({"sliding_window": 0}, "sliding_window"),
+    ({"sliding_window": 2.5}, "sliding_window"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings"),
+    ({"initializer_range": -0.1}, "initializer_range"),
+    ({"kernel_backend": "cuda"}, "kernel_backend"),
+    ({"vocab_size": 10, "pad_token_id": 10}, "pad_token_id"),
+    ({"vocab_size": 10, "bos_token_id": -1}, "bos_token_id"),
+    ({"vocab_size": 10, "eos_token_id": [1, 12]}, "eos_token_id"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", INVALID, ids=[f"{f}-{i}" for i, (_, f) in enumerate(INVALID)])
+def test_invalid_values_raise_naming_the_field(reslin, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        reslin.ResLinConfig(**kwargs)
+
+
+def test_save_and_load_roundtrip(reslin, tiny_config, tmp_path):
+    config = tiny_config("hybrid_window")
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "reslin"
+    assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_reslin.ResLinForCausalLM"
+    loaded = reslin.ResLinConfig.from_pretrained(tmp_path)
+    for key in ("attn_type", "update_rule", "step_rule", "use_residual", "layer_types", "sliding_window",
+                "num_key_value_heads", "attention_head_dim", "num_v_heads", "head_dim", "expand_v"):
+        assert getattr(loaded, key) == getattr(config, key), key
+
+
+def test_repository_config_is_valid(reslin):
+    config = reslin.ResLinConfig.from_pretrained(reslin.repo_root)
+    assert config.num_hidden_layers == len(config.layer_types)
+    assert set(config.auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}

@@ -1,0 +1,269 @@
+"""ResLin model forward: every mixer, loss, caches, padding masks, initialisation, training paths.
+
+Tolerances: fp32 comparisons of two computations of the same logits use atol 1e-5 (the
+chunked kernel sums in a different order than token-by-token decoding).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ATOL = 1e-5
+
+
+def cache_of(output):
+    return output.cache if "cache" in output else output.past_key_values
+
+
+def test_forward_every_mixer(tiny_model, mixer):
+    model = tiny_model(mixer)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 100, (2, 11))
+    out = model(ids)
+    assert out.logits.shape == (2, 11, 100)
+    assert torch.isfinite(out.logits).all()
+
+
+def test_parameter_names_follow_fla(tiny_model, tiny_config):
+    model = tiny_model("rdn")
+    params = dict(model.named_parameters())
+    prefix = "model.layers.0.attn."
+    for name in ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "gamma_proj", "g_proj", "o_proj"):
+        assert prefix + name + ".weight" in params, name
+        assert prefix + name + ".bias" not in params, name
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        assert params[prefix + name + ".weight"].shape[1:] == (1, 4)
+    assert params[prefix + "A_log"].shape == (2,) and params[prefix + "dt_bias"].shape == (2,)
+    assert params[prefix + "o_norm.weight"].shape == (16,)
+    for name in ("model.embeddings.weight", "model.norm.weight", "lm_head.weight", "model.layers.1.attn_norm.weight",
+                 "model.layers.1.mlp_norm.weight", "model.layers.1.mlp.gate_proj.weight",
+                 "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert name in params, name
+    assert not any("gamma_proj" in name for name, _ in tiny_model("gdn").named_parameters())
+    hybrid = dict(tiny_model("hybrid").named_parameters())
+    assert hybrid["model.layers.1.attn.k_proj.weight"].shape == (2 * 8, 32)  # 2 kv heads of 32 // 4
+
+
+def test_initialisation(tiny_model):
+    model = tiny_model("rdn", initializer_range=0.02, num_v_heads=64, num_heads=4, head_dim=8)
+    attn = model.model.layers[0].attn
+    A = attn.A_log.detach().exp()
+    assert (A > 0).all() and (A <= 16).all()
+    dt = F.softplus(attn.dt_bias.detach())
+    assert (dt >= 1e-4 * 0.999).all() and (dt <= 0.1 * 1.001).all()
+    assert attn.A_log._no_weight_decay and attn.dt_bias._no_weight_decay
+    assert torch.equal(attn.o_norm.weight, torch.ones_like(attn.o_norm.weight))
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
+    assert abs(attn.q_proj.weight.std().item() - 0.02) < 0.004
+    assert abs(model.model.embeddings.weight.std().item() - 0.02) < 0.004
+
+
+def test_loss_is_shifted_cross_entropy(tiny_model):
+    model = tiny_model("kla")
+    torch.manual_seed(2)
+    ids = torch.randint(0, 100, (2, 9))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    out = model(ids, labels=labels)
+    expected = F.cross_entropy(out.logits[:, :-1].reshape(-1, 100), labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected, rtol=0, atol=1e-6)
+
+
+def test_logits_to_keep(tiny_model):
+    model = tiny_model("rla")
+    ids = torch.randint(0, 100, (2, 7))
+    full = model(ids).logits
+    torch.testing.assert_close(model(ids, logits_to_keep=1).logits, full[:, -1:], rtol=0, atol=1e-6)
+    assert model(ids, logits_to_keep=0).logits.shape == full.shape
+
+
+def test_inputs_embeds_and_tuple_output(tiny_model):
+    model = tiny_model("hybrid")
+    ids = torch.randint(0, 100, (2, 6))
+    ref = model(ids).logits
+    embeds = model.get_input_embeddings()(ids)
+    torch.testing.assert_close(model(inputs_embeds=embeds).logits, ref, rtol=0, atol=1e-6)
+    as_tuple = model(ids, return_dict=False, use_cache=False)
+    torch.testing.assert_close(as_tuple[0], ref, rtol=0, atol=1e-6)
+    hidden = model(ids, output_hidden_states=True).hidden_states
+    assert len(hidden) == model.config.num_hidden_layers + 1
+    with pytest.raises(ValueError, match="exactly one"):
+        model(ids, inputs_embeds=embeds)
+
+
+def test_tied_embeddings(tiny_model):
+    model = tiny_model("gdn", tie_word_embeddings=True)
+    assert model.lm_head.weight.data_ptr() == model.model.embeddings.weight.data_ptr()
+
+
+@torch.no_grad()
+def test_prefill_then_decode_equals_full_forward(tiny_model, mixer):
+    model = tiny_model(mixer)
+    torch.manual_seed(3)
+    ids = torch.randint(1, 100, (2, 12))
+    full = model(ids, use_cache=False).logits
+    out = model(ids[:, :5], use_cache=True)
+    pieces, cache = [out.logits], cache_of(out)
+    # Two single-token decode steps, then a multi-token chunk continuing from the cache, then decode again.
+    for start, end in ((5, 6), (6, 7), (7, 10), (10, 11), (11, 12)):
+        out = model(ids[:, start:end], cache=cache, use_cache=True)
+        pieces.append(out.logits)
+        cache = cache_of(out)
+    assert cache.get_seq_length() == 12
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=ATOL)
+
+
+@torch.no_grad()
+def test_both_cache_keywords_decode_identically(tiny_model):
+    model = tiny_model("hybrid")
+    ids = torch.randint(1, 100, (2, 8))
+    logits = {}
+    for keyword in ("cache", "past_key_values"):
+        out = model(ids[:, :4], use_cache=True)
+        steps = [out.logits]
+        for t in range(4, 8):
+            out = model(ids[:, t:t + 1], use_cache=True, **{keyword: cache_of(out)})
+            steps.append(out.logits)
+        logits[keyword] = torch.cat(steps, dim=1)
+    assert torch.equal(logits["cache"], logits["past_key_values"])
+    torch.testing.assert_close(logits["cache"], model(ids).logits, rtol=0, atol=ATOL)
+    first = cache_of(model(ids[:, :4]))
+    second = cache_of(model(ids[:, :4]))
+    with pytest.raises(ValueError, match="either"):
+        model(ids[:, 4:5], cache=first, past_key_values=second)
+
+
+def test_cache_from_another_model_is_refused(tiny_model):
+    model = tiny_model("rdn")
+    ids = torch.randint(1, 100, (2, 4))
+    cases = {
+        "gdn (no residual state)": tiny_model("gdn"),
+        "hybrid (other layer types)": tiny_model("hybrid"),
+        "three layers": tiny_model("rdn", num_hidden_layers=3),
+        "wider heads": tiny_model("rdn", head_dim=8, num_heads=4),
+    }
+    for name, other in cases.items():
+        foreign = cache_of(other(ids))
+        with pytest.raises(ValueError, match="another model"):
+            model(ids[:, :1], cache=foreign)
+    with pytest.raises(ValueError, match="batch of 2"):
+        model(ids[:1, :1], cache=cache_of(model(ids)))
+
+
+@torch.no_grad()
+def test_left_padded_batch_equals_rows_alone(tiny_model, make_left_padded, mixer):
+    model = tiny_model(mixer)
+    torch.manual_seed(4)
+    rows = [torch.randint(1, 100, (n,)) for n in (9, 4, 1, 6)]
+    ids, mask = make_left_padded(rows)
+    batched = model(ids, attention_mask=mask).logits
+    for i, row in enumerate(rows):
+        alone = model(row[None]).logits[0]
+        torch.testing.assert_close(batched[i, ids.shape[1] - len(row):], alone, rtol=0, atol=ATOL)
+
+
+@torch.no_grad()
+def test_left_padded_decode_equals_rows_alone(tiny_model, make_left_padded, mixer):
+    model = tiny_model(mixer)
+    torch.manual_seed(5)
+    rows = [torch.randint(1, 100, (n,)) for n in (7, 3)]
+    nxt = torch.randint(1, 100, (2, 3))
+    ids, mask = make_left_padded(rows)
+    cache = cache_of(model(ids, attention_mask=mask, use_cache=True))
+    steps = []
+    for t in range(3):
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        out = model(nxt[:, t:t + 1], attention_mask=mask, cache=cache)
+        steps.append(out.logits)
+    steps = torch.cat(steps, dim=1)
+    for i, row in enumerate(rows):
+        alone = model(torch.cat([row, nxt[i]])[None]).logits[0, -3:]
+        torch.testing.assert_close(steps[i], alone, rtol=0, atol=ATOL)
+
+
+@torch.no_grad()
+def test_right_padded_batch_equals_rows_alone(tiny_model):
+    model = tiny_model("hybrid")
+    rows = [torch.randint(1, 100, (n,)) for n in (6, 3)]
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    mask = torch.zeros(2, 6, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    batched = model(ids, attention_mask=mask).logits
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(batched[i, :len(row)], model(row[None]).logits[0], rtol=0, atol=ATOL)
+
+
+def test_invalid_masks_and_ids_raise(tiny_model):
+    model = tiny_model("rdn")
+    ids = torch.randint(1, 100, (2, 5))
+    with pytest.raises(ValueError, match="contiguous"):
+        model(ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="shape"):
+        model(ids, attention_mask=torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="shape"):
+        model(ids, attention_mask=torch.ones(2, 1, 5, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="only 0"):
+        model(ids, attention_mask=torch.full((2, 5), 2))
+    cache = cache_of(model(ids, use_cache=True))
+    with pytest.raises(ValueError, match=r"\[2, 6\]"):  # with a cache the mask covers past + new tokens
+        model(ids[:, :1], cache=cache, attention_mask=torch.ones(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        model(torch.tensor([[1, 100]]))
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        model(torch.tensor([[-1, 3]]))
+
+
+def test_gradient_checkpointing_gives_same_gradients(tiny_model):
+    ids = torch.randint(1, 100, (2, 10))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model("hybrid").train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+            assert all(layer.gradient_checkpointing for layer in model.model.layers)
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@torch.no_grad()
+def test_bf16_forward_close_to_fp32(tiny_model):
+    model = tiny_model("rdn")
+    ids = torch.randint(1, 100, (2, 16))
+    ref = model(ids).logits
+    out = model.to(torch.bfloat16)(ids).logits
+    assert out.dtype == torch.bfloat16
+    # Tiny weights give logits ~0.1; bf16 keeps ~3 significant digits.
+    assert (out.float() - ref).abs().max() < 2e-2 * max(1.0, ref.abs().max().item())
+
+
+def test_supports_default_dynamic_cache_is_false(reslin):
+    assert reslin.ResLinForCausalLM._supports_default_dynamic_cache() is False
+    assert reslin.ResLinForCausalLM._no_split_modules == ["ResLinBlock"]
+    assert reslin.ResLinForCausalLM.supports_gradient_checkpointing
+
+
+def test_crop_is_refused(tiny_model):
+    model = tiny_model("rdn")
+    cache = cache_of(model(torch.randint(1, 100, (1, 4))))
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cache.crop(2)
+
+
+@torch.no_grad()
+def test_beam_reorder_cache(tiny_model):
+    model = tiny_model("hybrid")
+    ids = torch.randint(1, 100, (3, 5))
+    cache = cache_of(model(ids))
+    order = torch.tensor([2, 2, 0])
+    cache.reorder_cache(order)
+    nxt = torch.randint(1, 100, (3, 1))
+    got = model(nxt, cache=cache).logits
+    expected = model(torch.cat([ids[order], nxt], dim=1)).logits[:, -1:]
+    torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+    assert math.isfinite(got.sum().item())
