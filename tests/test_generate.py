@@ -1,0 +1,136 @@
+"""generate() with ResLin models: greedy, sampling, beam search, padding, cache continuation.
+
+Token comparisons are exact (greedy argmax on fp32 logits that agree to ~1e-6); log-prob
+comparisons use atol 1e-4.
+"""
+
+import pytest
+import torch
+
+
+def cache_of(output):
+    return output.cache if "cache" in output else output.past_key_values
+
+
+def greedy_reference(model, ids, new_tokens):
+    """Greedy decoding by full forwards, no cache."""
+    for _ in range(new_tokens):
+        nxt = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+@torch.no_grad()
+def test_greedy_equals_full_forward_argmax(tiny_model, mixer):
+    model = tiny_model(mixer)
+    ids = torch.randint(1, 100, (2, 6))
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, greedy_reference(model, ids, 6))
+
+
+@torch.no_grad()
+def test_left_padded_generate_equals_rows_alone(tiny_model, make_left_padded, mixer):
+    model = tiny_model(mixer)
+    torch.manual_seed(7)
+    rows = [torch.randint(1, 100, (n,)) for n in (8, 3, 5)]
+    ids, mask = make_left_padded(rows)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                         return_dict_in_generate=True, output_logits=True)
+    logits = torch.stack(out.logits, dim=1)
+    for i, row in enumerate(rows):
+        alone = model.generate(row[None], max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
+                               output_logits=True)
+        assert torch.equal(out.sequences[i, ids.shape[1]:], alone.sequences[0, len(row):])
+        torch.testing.assert_close(logits[i], torch.stack(alone.logits, dim=1)[0], rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_sampling_is_reproducible_with_a_seed(tiny_model):
+    model = tiny_model("rla")
+    ids = torch.randint(1, 100, (2, 4))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(model.generate(ids, max_new_tokens=8, do_sample=True, top_k=0, temperature=1.5))
+    assert torch.equal(runs[0], runs[1])
+    torch.manual_seed(124)
+    assert runs[0].shape == model.generate(ids, max_new_tokens=8, do_sample=True, top_k=0).shape
+
+
+@torch.no_grad()
+def test_num_return_sequences(tiny_model):
+    model = tiny_model("hybrid")
+    ids = torch.randint(1, 100, (2, 4))
+    torch.manual_seed(0)
+    out = model.generate(ids, max_new_tokens=5, do_sample=True, num_return_sequences=3)
+    assert out.shape == (6, 9)
+    assert torch.equal(out[:, :4], ids.repeat_interleave(3, dim=0))
+
+
+@torch.no_grad()
+def test_beam_search_with_one_beam_is_greedy(tiny_model):
+    model = tiny_model("rdn")
+    ids = torch.randint(1, 100, (2, 5))
+    greedy = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, num_beams=1), greedy)
+
+
+@pytest.mark.parametrize("mixer_name", ["rdn", "hybrid_window"])
+@torch.no_grad()
+def test_beam_search_scores_match_a_forward(tiny_model, mixer_name):
+    """The returned beams' scores are the sums of their tokens' log-probs under one full forward."""
+    model = tiny_model(mixer_name)
+    ids = torch.randint(1, 100, (2, 5))
+    new = 5
+    out = model.generate(ids, max_new_tokens=new, num_beams=3, num_return_sequences=3, do_sample=False,
+                         length_penalty=0.0, early_stopping=True, return_dict_in_generate=True,
+                         output_scores=True)
+    seqs = out.sequences
+    assert seqs.shape == (6, 5 + new)
+    logprobs = model(seqs).logits.log_softmax(-1)[:, 4:-1]
+    total = logprobs.gather(-1, seqs[:, 5:, None]).squeeze(-1).sum(-1)
+    torch.testing.assert_close(out.sequences_scores, total, rtol=0, atol=1e-4)
+    # Beams of one prompt come best first, and the best beam is at least as good as greedy.
+    assert (out.sequences_scores.view(2, 3).diff(dim=-1) <= 1e-6).all()
+    greedy = model.generate(ids, max_new_tokens=new, do_sample=False)
+    greedy_lp = model(greedy).logits.log_softmax(-1)[:, 4:-1].gather(-1, greedy[:, 5:, None]).squeeze(-1).sum(-1)
+    assert (out.sequences_scores.view(2, 3)[:, 0] >= greedy_lp - 1e-4).all()
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+@torch.no_grad()
+def test_continue_from_returned_cache(tiny_model, make_left_padded, keyword):
+    model = tiny_model("hybrid")
+    rows = [torch.randint(1, 100, (n,)) for n in (6, 3)]
+    ids, mask = make_left_padded(rows)
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                           return_dict_in_generate=True)
+    cache = cache_of(first)
+    # generate returns the tokens it sampled last without feeding them through the model.
+    assert cache.get_seq_length() == first.sequences.shape[1] - 1
+    extra = torch.randint(1, 100, (2, 2))
+    extended = torch.cat([first.sequences, extra], dim=1)
+    extended_mask = torch.cat([mask, torch.ones(2, extended.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+    continued = model.generate(extended, attention_mask=extended_mask, max_new_tokens=4, do_sample=False,
+                               **{keyword: cache})
+    fresh = model.generate(extended, attention_mask=extended_mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(continued, fresh)
+
+
+@torch.no_grad()
+def test_continue_linear_only_model_from_cache(tiny_model):
+    model = tiny_model("kla")
+    ids = torch.randint(1, 100, (1, 5))
+    first = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    continued = model.generate(first.sequences, max_new_tokens=3, do_sample=False, cache=cache_of(first))
+    assert torch.equal(continued, model.generate(first.sequences, max_new_tokens=3, do_sample=False))
+
+
+@torch.no_grad()
+def test_assisted_decoding_is_refused(tiny_model):
+    model = tiny_model("rdn")
+    ids = torch.randint(1, 100, (1, 5))
+    with pytest.raises(ValueError, match="assisted or speculative"):
+        model.generate(ids, max_new_tokens=3, assistant_model=tiny_model("rdn", seed=1))
+    with pytest.raises(ValueError, match="assisted or speculative"):
+        model.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=2)
