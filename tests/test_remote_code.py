@@ -1,0 +1,86 @@
+"""Loading through the Auto classes with trust_remote_code, saving and reloading, device_map.
+
+Save/reload comparisons are exact (torch.equal): the same fp32 weights through the same code.
+"""
+
+import torch
+from transformers import AutoConfig
+
+REMOTE_FILES = {"configuration_reslin.py", "modeling_reslin.py", "cache_reslin.py", "kernels_reslin.py"}
+
+
+def tiny_hub_folder(folder, tiny_config):
+    """Write a tiny model's config.json into a copy of the repository code (no weights)."""
+    tiny_config("hybrid_window").to_json_file(folder / "config.json")
+    return folder
+
+
+def test_auto_classes_from_repository_folder(repo_copy, load_remote):
+    config = AutoConfig.from_pretrained(repo_copy, trust_remote_code=True)
+    assert config.model_type == "reslin" and type(config).__name__ == "ResLinConfig"
+    import transformers
+
+    for auto_class, expected in (("AutoModel", "ResLinModel"), ("AutoModelForCausalLM", "ResLinForCausalLM")):
+        model = getattr(transformers, auto_class).from_config(config, trust_remote_code=True)
+        assert type(model).__name__ == expected
+        assert type(model).__module__.endswith("modeling_reslin")
+    if (repo_copy / "model.safetensors").exists():  # the shipped weights, once there are some
+        assert type(load_remote(repo_copy)).__name__ == "ResLinForCausalLM"
+
+
+def test_save_pretrained_folder_loads_with_identical_logits(repo_copy, tiny_config, load_remote, tmp_path):
+    import transformers
+
+    config = AutoConfig.from_pretrained(tiny_hub_folder(repo_copy, tiny_config), trust_remote_code=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=True).eval()
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    files = {p.name for p in saved.iterdir()}
+    assert REMOTE_FILES <= files, files  # the code and its `from .x import` siblings travel with the weights
+    assert any(name.startswith("kernels_reslin_") for name in files)
+
+    reloaded = load_remote(saved).eval()
+    ids = torch.randint(1, 100, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    base = load_remote(saved, auto_class="AutoModel")
+    assert type(base).__name__ == "ResLinModel"
+    with torch.no_grad():
+        assert torch.equal(base(ids).last_hidden_state, model.model(ids).last_hidden_state)
+
+
+def test_locally_imported_model_saves_a_loadable_folder(tiny_model, load_remote, tmp_path):
+    """A model built from the imported classes (not through remote code) saves its code too."""
+    model = tiny_model("rkla", tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    assert REMOTE_FILES <= {p.name for p in tmp_path.iterdir()}
+    reloaded = load_remote(tmp_path).eval()
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embeddings.weight.data_ptr()
+    ids = torch.randint(1, 100, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    # from_pretrained must load the initialisation-special parameters, not re-initialise them.
+    for name in ("model.layers.0.attn.A_log", "model.layers.1.attn.dt_bias"):
+        assert torch.equal(reloaded.get_parameter(name), model.get_parameter(name)), name
+
+
+def test_device_map_auto(tiny_model, load_remote, tmp_path):
+    model = tiny_model("hybrid")
+    model.save_pretrained(tmp_path)
+    loaded = load_remote(tmp_path, device_map="auto").eval()
+    assert set(loaded._no_split_modules) == {"ResLinBlock"}
+    assert all(p.device.type == "cpu" for p in loaded.parameters())  # a CPU-only machine: one device
+    ids = torch.randint(1, 100, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_generate_through_remote_code(tiny_model, load_remote, make_left_padded, tmp_path):
+    model = tiny_model("rdn")
+    model.save_pretrained(tmp_path)
+    loaded = load_remote(tmp_path).eval()
+    ids, mask = make_left_padded([torch.randint(1, 100, (n,)) for n in (5, 2)])
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        assert torch.equal(loaded.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), expected)
