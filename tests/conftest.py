@@ -8,7 +8,7 @@ needed) and imports `reslin_repo.modeling_reslin` etc. from there. The tests thu
 working tree's files, exactly as they are. The remote-code tests instead load copies of the
 files through transformers' Auto classes with trust_remote_code=True (helpers below).
 
-Each session (and each pytest-xdist worker) also gets its own HF_MODULES_CACHE, so the
+Under pytest-xdist each worker runs torch on one thread. Each session (and each worker) also gets its own HF_MODULES_CACHE, so the
 remote-code loader never shares its module cache between concurrent workers.
 """
 
@@ -27,6 +27,10 @@ _SESSION_DIR = Path(tempfile.mkdtemp(prefix="reslin-tests-"))
 os.environ["HF_MODULES_CACHE"] = str(_SESSION_DIR / "hf_modules")  # before transformers is imported
 
 import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Workers already fill the cores; more intra-op threads per worker only contend (~4x slower here).
+    torch.set_num_threads(1)
 
 (_SESSION_DIR / "reslin_repo").symlink_to(REPO_ROOT, target_is_directory=True)
 sys.path.insert(0, str(_SESSION_DIR))
