@@ -439,14 +439,16 @@ class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
         # generate trims a continued prompt to the tokens the cache has not seen only when some layer
-        # is not linear (5.24); trim here for every model, from the mask that covers all tokens.
-        cache = model_inputs.get(CACHE_FIELD)
+        # is not linear (5.24), or only for a cache passed as `past_key_values` (5.17): trim here in every
+        # case, from the mask that covers all tokens.
+        cache = resolve_cache_keyword(model_inputs.get("cache"), model_inputs.get("past_key_values"))
         attention_mask = model_inputs.get("attention_mask")
-        ids = model_inputs.get("input_ids")
-        if cache is not None and attention_mask is not None and ids is not None:
+        if cache is not None and attention_mask is not None:
             new_tokens = attention_mask.shape[1] - cache.get_seq_length()
-            if ids.shape[1] > new_tokens:
-                model_inputs["input_ids"] = ids[:, ids.shape[1] - new_tokens:]
+            for name in ("input_ids", "position_ids"):
+                value = model_inputs.get(name)
+                if value is not None and value.shape[-1] > new_tokens:
+                    model_inputs[name] = value[..., value.shape[-1] - new_tokens:]
         return model_inputs
 
     def generate(self, *args, **kwargs):
