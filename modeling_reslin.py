@@ -108,14 +108,18 @@ class ResLinLinearAttention(nn.Module):
         # Filled by ResLinPreTrainedModel._init_weights (Mamba2's initialisation).
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
-        self.A_log._no_weight_decay = True
-        self.dt_bias._no_weight_decay = True
+        self.mark_no_weight_decay()
         self.q_conv1d = ResLinShortConvolution(key_dim, config.conv_size)
         self.k_conv1d = ResLinShortConvolution(key_dim, config.conv_size)
         self.v_conv1d = ResLinShortConvolution(value_dim, config.conv_size)
         self.g_proj = nn.Linear(config.hidden_size, value_dim, bias=False)
         self.o_norm = ResLinGatedRMSNorm(self.head_v_dim, eps=config.norm_eps)
         self.o_proj = nn.Linear(value_dim, config.hidden_size, bias=False)
+
+    def mark_no_weight_decay(self):
+        # Read by optimiser set-ups (as in FLA / Mamba): decaying the decay-rate parameters is wrong.
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None):
         """`attention_mask`: None (no padding) or bool [B, past + T]; `position_ids` is unused."""
@@ -267,6 +271,15 @@ class ResLinPreTrainedModel(PreTrainedModel):
     def _supports_default_dynamic_cache(cls):
         # transformers' DynamicCache cannot hold recurrent states: the model builds a ResLinCache.
         return False
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        model = super().from_pretrained(*args, **kwargs)
+        # Loading replaces parameter objects, which drops the flags set in __init__.
+        for module in model.modules():
+            if isinstance(module, ResLinLinearAttention):
+                module.mark_no_weight_decay()
+        return model
 
     def _init_weights(self, module):
         super()._init_weights(module)  # linear, conv and embedding weights normal(0, initializer_range), norms one

@@ -63,6 +63,7 @@ def test_locally_imported_model_saves_a_loadable_folder(tiny_model, load_remote,
     # from_pretrained must load the initialisation-special parameters, not re-initialise them.
     for name in ("model.layers.0.attn.A_log", "model.layers.1.attn.dt_bias"):
         assert torch.equal(reloaded.get_parameter(name), model.get_parameter(name)), name
+        assert reloaded.get_parameter(name)._no_weight_decay, name
 
 
 def test_device_map_auto(tiny_model, load_remote, tmp_path):
