@@ -134,3 +134,19 @@ def test_assisted_decoding_is_refused(tiny_model):
         model.generate(ids, max_new_tokens=3, assistant_model=tiny_model("rdn", seed=1))
     with pytest.raises(ValueError, match="assisted or speculative"):
         model.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=2)
+
+
+@torch.no_grad()
+def test_generate_without_cache_matches(tiny_model):
+    model = tiny_model("hybrid_window")
+    ids = torch.randint(1, 100, (2, 5))
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, use_cache=False),
+                       model.generate(ids, max_new_tokens=5, do_sample=False))
+
+
+@torch.no_grad()
+def test_bf16_generate_runs(tiny_model, make_left_padded):
+    model = tiny_model("rdn").to(torch.bfloat16)
+    ids, mask = make_left_padded([torch.randint(1, 100, (n,)) for n in (5, 2)])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, num_beams=2)
+    assert out.shape == (2, 9)
