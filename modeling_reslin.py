@@ -296,17 +296,17 @@ def check_attention_mask(attention_mask, batch_size, total_length):
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch_size, total_length):
         raise ValueError(f"attention_mask must have shape [batch, past + new tokens] = [{batch_size}, {total_length}], "
                          f"got {tuple(attention_mask.shape)}")
-    if not ((attention_mask == 0) | (attention_mask == 1)).all():
+    mask = attention_mask != 0
+    runs_of_ones = mask[:, :1].sum(-1) + (mask[:, 1:] & ~mask[:, :-1]).sum(-1)
+    # One device sync for all three checks: this runs at every decode step.
+    binary, contiguous, unpadded = torch.stack(
+        [((attention_mask == 0) | (attention_mask == 1)).all(), (runs_of_ones <= 1).all(), mask.all()]).tolist()
+    if not binary:
         raise ValueError("attention_mask must contain only 0 (padding) and 1 (token)")
-    mask = attention_mask.bool()
-    if mask.all():
-        return None
-    m = mask.int()
-    runs = m[:, :1] + (m[:, 1:] > m[:, :-1]).sum(-1, keepdim=True)
-    if (runs > 1).any():
+    if not contiguous:
         raise ValueError("attention_mask has padding between tokens: each row's ones must be contiguous "
                          "(left or right padding only)")
-    return mask
+    return None if unpadded else mask
 
 
 class ResLinModel(ResLinPreTrainedModel):
@@ -345,9 +345,10 @@ class ResLinModel(ResLinPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         if input_ids is not None:
-            if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size):
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist() if input_ids.numel() else (0, 0)
+            if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got values in "
-                                 f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+                                 f"[{low}, {high}]")
             inputs_embeds = self.embeddings(input_ids)
         B, T = inputs_embeds.shape[:2]
 
