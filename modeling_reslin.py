@@ -121,14 +121,13 @@ class ResLinLinearAttention(nn.Module):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None):
+    def forward(self, x, attention_mask=None, position_ids=None, cache=None):
         """`attention_mask`: None (no padding) or bool [B, past + T]; `position_ids` is unused."""
-        B, T, _ = hidden_states.shape
+        B, T, _ = x.shape
         token_mask = None if attention_mask is None else attention_mask[:, -T:]
         if token_mask is not None:
             # Zero inputs keep the short convolutions' windows as if padding were not there.
-            hidden_states = hidden_states * token_mask[..., None].to(hidden_states.dtype)
-        x = hidden_states
+            x = x * token_mask[..., None].to(x.dtype)
 
         conv_state = cache.conv_states[self.layer_idx] if cache is not None else None
         q_state, k_state, v_state = conv_state if conv_state is not None else (None, None, None)
