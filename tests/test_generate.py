@@ -150,3 +150,18 @@ def test_bf16_generate_runs(tiny_model, make_left_padded):
     ids, mask = make_left_padded([torch.randint(1, 100, (n,)) for n in (5, 2)])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, num_beams=2)
     assert out.shape == (2, 9)
+
+
+@torch.no_grad()
+def test_exhaustive_beam_search_finds_the_best_continuation(tiny_model):
+    """With as many beams as tokens, two steps of beam search are exhaustive: compare with brute force."""
+    model = tiny_model("rkla", vocab_size=24)
+    ids = torch.randint(1, 24, (1, 4))
+    out = model.generate(ids, max_new_tokens=2, num_beams=24, do_sample=False, length_penalty=0.0,
+                         return_dict_in_generate=True, output_scores=True)
+    pairs = torch.cartesian_prod(torch.arange(24), torch.arange(24))
+    candidates = torch.cat([ids.expand(len(pairs), -1), pairs], dim=1)
+    logprobs = model(candidates).logits.log_softmax(-1)[:, 3:-1].gather(-1, pairs[..., None]).squeeze(-1).sum(-1)
+    best = logprobs.argmax()
+    assert torch.equal(out.sequences[0], candidates[best])
+    torch.testing.assert_close(out.sequences_scores[0], logprobs[best], rtol=0, atol=1e-4)
