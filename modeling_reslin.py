@@ -449,8 +449,9 @@ class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
                                         **{CACHE_FIELD: outputs[CACHE_FIELD] if CACHE_FIELD in outputs else None})
         return output if return_dict else output.to_tuple()
 
-    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
-        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+    def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, **kwargs):
+        # (generate checks this signature for `inputs_embeds` before it accepts them.)
+        model_inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
         # generate trims a continued prompt to the tokens the cache has not seen only when some layer
         # is not linear (5.24), or only for a cache passed as `past_key_values` (5.17): trim here in every
         # case, from the mask that covers all tokens.

@@ -165,3 +165,12 @@ def test_exhaustive_beam_search_finds_the_best_continuation(tiny_model):
     best = logprobs.argmax()
     assert torch.equal(out.sequences[0], candidates[best])
     torch.testing.assert_close(out.sequences_scores[0], logprobs[best], rtol=0, atol=1e-4)
+
+
+@torch.no_grad()
+def test_generate_from_inputs_embeds(tiny_model):
+    model = tiny_model("hybrid")
+    ids = torch.randint(1, 100, (2, 5))
+    from_ids = model.generate(ids, max_new_tokens=4, do_sample=False)
+    from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4, do_sample=False)
+    assert torch.equal(from_embeds, from_ids[:, 5:])  # generate returns only the new tokens here
