@@ -13,8 +13,9 @@ Rules (DESIGN.md section 1), per head, key-first states S, R of shape [Dk, Dv]:
                                o_t = scale * (a_t S_{t-1}^T q_t + gamma_t R_t^T q_t)
 
 with a_t = exp(g_t). KLA is the delta rule with b_t = eta_t / (||k_t||^2 + eps), computed by
-the caller. Backends: "recurrent" (per-token fp32 reference), "torch" (chunked, fp32
-accumulation), "auto" (the fastest available for the device: "torch" until Triton kernels ship).
+the caller. RKLA gives its residual state the Kaczmarz step too: it writes R with
+gamma_write = gamma_t / (||k_t||^2 + eps) and reads it with gamma_t (see reslin_attention).
+Backends: "recurrent" (per-token fp32 reference), "torch" (chunked, fp32 accumulation), "auto" (the fastest available for the device: "torch" until Triton kernels ship).
 """
 
 import torch
@@ -29,7 +30,7 @@ BACKENDS = ("auto", "torch", "triton", "recurrent")
 MAX_HEAD_DIM = 256
 
 
-def _check_inputs(q, k, v, g, beta, gamma, update, clip, initial_state, cu_seqlens, backend):
+def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend):
     if update not in UPDATE_RULES:
         raise ValueError(f"update must be one of {UPDATE_RULES}, got {update!r}")
     if backend not in BACKENDS:
@@ -52,10 +53,12 @@ def _check_inputs(q, k, v, g, beta, gamma, update, clip, initial_state, cu_seqle
     for name, size in (("key head size Dk", Dk), ("value head size Dv", Dv)):
         if not 1 <= size <= MAX_HEAD_DIM:
             raise ValueError(f"{name} must be between 1 and {MAX_HEAD_DIM}, got {size}")
-    for name, x in (("g", g), ("beta", beta), ("gamma", gamma)):
+    for name, x in (("g", g), ("beta", beta), ("gamma", gamma), ("gamma_write", gamma_write)):
         if x is not None and x.shape != (B, T, HV):
             raise ValueError(f"{name} must be [B, T, HV] = {(B, T, HV)}, got {tuple(x.shape)}")
-    devices = {x.device for x in (q, k, v, g, beta, gamma) if x is not None}
+    if gamma_write is not None and gamma is None:
+        raise ValueError("gamma_write is the residual state's write strength: it needs gamma")
+    devices = {x.device for x in (q, k, v, g, beta, gamma, gamma_write) if x is not None}
     if len(devices) > 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
 
@@ -83,7 +86,8 @@ def _check_inputs(q, k, v, g, beta, gamma, update, clip, initial_state, cu_seqle
 
 
 def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, scale=None,
-                     initial_state=None, output_final_state=False, cu_seqlens=None, backend="auto"):
+                     initial_state=None, output_final_state=False, cu_seqlens=None, backend="auto",
+                     gamma_write=None):
     """Residual / Kaczmarz / gated-delta / gated-linear attention over a sequence.
 
     Args:
@@ -98,12 +102,17 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
         output_final_state: also return the final (S, R).
         cu_seqlens: packed variable-length sequences in one row (B == 1), like FLA.
         backend: "auto", "torch", "triton" or "recurrent".
+        gamma_write: [B, T, HV] write strength of the residual state where it differs from its
+            read gate gamma; None means gamma. An extension of DESIGN.md section 3 for RKLA,
+            whose raw keys need the Kaczmarz step gamma / (||k||^2 + eps) in the residual
+            state's delta rule as in the base state's (with plain gamma that state diverges
+            once ||k||^2 > 2), while the read keeps gamma.
 
     Returns:
         o: [B, T, HV, Dv] in v's dtype; final_state: (S, R) fp32 ([N, HV, Dk, Dv]; R None
         without gamma), or None unless output_final_state.
     """
-    _check_inputs(q, k, v, g, beta, gamma, update, clip, initial_state, cu_seqlens, backend)
+    _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend)
     if backend == "triton":
         raise NotImplementedError("the Triton backend is not bundled yet: use backend='torch' or 'auto'")
     B, T, H, Dk = q.shape
@@ -118,7 +127,9 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
     zeros = lambda: q.new_zeros(N, HV, Dk, Dv, dtype=torch.float32)  # noqa: E731
     S0 = zeros() if S0 is None else S0.float()
     R0 = None if gamma is None else (zeros() if R0 is None else R0.float())
+    if gamma is not None and gamma_write is None:
+        gamma_write = gamma
 
     run = recurrent_reslin if backend == "recurrent" else chunk_reslin
-    o, S, R = run(q, k, v, g, beta, gamma, update, float(clip), scale, S0, R0, cu_seqlens)
+    o, S, R = run(q, k, v, g, beta, gamma, gamma_write, update, float(clip), scale, S0, R0, cu_seqlens)
     return o.to(v.dtype), ((S, R) if output_final_state else None)

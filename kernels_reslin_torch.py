@@ -33,7 +33,7 @@ def _write(state, k, v, decay, strength, update):
     return decayed + strength[..., None, None] * k[..., :, None] * v[..., None, :]
 
 
-def _recurrent_one(q, k, v, g, beta, gamma, update, clip, scale, S, R):
+def _recurrent_one(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S, R):
     """The recurrence over one batch of equal-length sequences; S and R are updated copies."""
     outputs = []
     for t in range(q.shape[1]):
@@ -48,16 +48,17 @@ def _recurrent_one(q, k, v, g, beta, gamma, update, clip, scale, S, R):
             pred_t = torch.einsum("bhkv,bhk->bhv", S, k_t)
             r_t = (v_t - pred_t).clamp(-clip, clip)
             base_read = a_t[..., None] * torch.einsum("bhkv,bhk->bhv", S, q_t)
-            R = _write(R, k_t, r_t, a_t, gamma_t, update)
+            R = _write(R, k_t, r_t, a_t, gamma_write[:, t], update)
             o_t = base_read + gamma_t[..., None] * torch.einsum("bhkv,bhk->bhv", R, q_t)
             S = _write(S, k_t, v_t, a_t, beta[:, t], update)
         outputs.append(scale * o_t)
     return torch.stack(outputs, dim=1), S, R
 
 
-def recurrent_reslin(q, k, v, g, beta, gamma, update, clip, scale, S0, R0, cu_seqlens=None):
-    """Per-token fp32 reference. S0 / R0: [N, H, Dk, Dv] fp32 (R0 only with gamma)."""
-    f32 = [None if x is None else x.float() for x in (q, k, v, g, beta, gamma)]
+def recurrent_reslin(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens=None):
+    """Per-token fp32 reference. S0 / R0: [N, H, Dk, Dv] fp32 (R0 only with gamma); gamma_write
+    is the residual state's write strength (gamma itself unless the caller says otherwise)."""
+    f32 = [None if x is None else x.float() for x in (q, k, v, g, beta, gamma, gamma_write)]
     if cu_seqlens is None:
         return _recurrent_one(*f32, update, clip, scale, S0, R0)
     outputs, finals_S, finals_R = [], [], []
@@ -154,7 +155,7 @@ def _from_chunks(x, T):
     return x.movedim(1, 3).reshape(B, N * C, H, *x.shape[4:])[:, :T]
 
 
-def _chunk_batch(q, k, v, g, beta, gamma, update, clip, scale, S0, R0, chunk_size):
+def _chunk_batch(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, chunk_size):
     T = q.shape[1]
     qc, kc, vc = (_to_chunks(x, chunk_size) for x in (q * scale, k, v))
     gc, bc = _to_chunks(g, chunk_size), _to_chunks(beta, chunk_size)
@@ -163,9 +164,9 @@ def _chunk_batch(q, k, v, g, beta, gamma, update, clip, scale, S0, R0, chunk_siz
         return _from_chunks(o, T), S, None
     base_read, pred, S = _chunk_scan(qc, kc, vc, gc, bc, S0, update, exclusive=True)
     residual = (vc - pred).clamp(-clip, clip)
-    gc_gamma = _to_chunks(gamma, chunk_size)
-    residual_read, _, R = _chunk_scan(qc, kc, residual, gc, gc_gamma, R0, update, exclusive=False)
-    o = base_read + gc_gamma[..., None] * residual_read
+    residual_read, _, R = _chunk_scan(qc, kc, residual, gc, _to_chunks(gamma_write, chunk_size), R0,
+                                      update, exclusive=False)
+    o = base_read + _to_chunks(gamma, chunk_size)[..., None] * residual_read
     return _from_chunks(o, T), S, R
 
 
@@ -179,10 +180,10 @@ def _pack_to_batch(x, cu_seqlens, max_len):
     return torch.stack(pieces)
 
 
-def chunk_reslin(q, k, v, g, beta, gamma, update, clip, scale, S0, R0, cu_seqlens=None,
+def chunk_reslin(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens=None,
                  chunk_size=CHUNK_SIZE):
     """Chunked fp32 computation of exactly what ``recurrent_reslin`` computes."""
-    f32 = [None if x is None else x.float() for x in (q, k, v, g, beta, gamma)]
+    f32 = [None if x is None else x.float() for x in (q, k, v, g, beta, gamma, gamma_write)]
     if cu_seqlens is None:
         if q.shape[1] == 1:
             # One decode step: the chunk machinery (a triangular solve of size 1) is pure overhead.

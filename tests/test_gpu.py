@@ -33,7 +33,7 @@ def test_torch_backend_bf16_on_cuda(name, update, residual, kaczmarz, B, T, H, H
     for backend in ("recurrent", "torch"):
         o, (S, R) = reslin_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], x["gamma"], update=update,
                                      initial_state=(x["S0"], x["R0"]), output_final_state=True,
-                                     backend=backend)
+                                     backend=backend, gamma_write=x["gamma_write"])
         gen = torch.Generator(device="cuda").manual_seed(1)
         loss = (o.float() * torch.randn(o.shape, device="cuda", generator=gen)).sum()
         results[backend] = [o, S] + ([R] if residual else []) + list(torch.autograd.grad(loss, [x[n] for n in names]))

@@ -45,15 +45,17 @@ def make_inputs(B, T, H, HV, Dk, Dv, residual, kaczmarz=False, seed=0, requires_
     v = randn(B, T, HV, Dv)
     g = -torch.nn.functional.softplus(randn(B, T, HV)) * 0.5
     beta = torch.sigmoid(randn(B, T, HV))
+    gamma = torch.sigmoid(randn(B, T, HV)) if residual else None
+    gamma_write = None
     if kaczmarz:
         k_norm2 = k.pow(2).sum(-1).repeat_interleave(HV // H, dim=2)
         beta = beta / (k_norm2 + 1e-6)
+        gamma_write = None if gamma is None else gamma / (k_norm2 + 1e-6)
     else:
         k = torch.nn.functional.normalize(k, dim=-1)
-    gamma = torch.sigmoid(randn(B, T, HV)) if residual else None
     S0 = randn(B, HV, Dk, Dv) * 0.3
     R0 = randn(B, HV, Dk, Dv) * 0.3 if residual else None
-    tensors = dict(q=q, k=k, v=v, g=g, beta=beta, gamma=gamma, S0=S0, R0=R0)
+    tensors = dict(q=q, k=k, v=v, g=g, beta=beta, gamma=gamma, gamma_write=gamma_write, S0=S0, R0=R0)
     if requires_grad:
         for x in tensors.values():
             if x is not None:
@@ -65,15 +67,17 @@ def run(x, update, backend, cu_seqlens=None, with_state=True):
     initial = (x["S0"], x["R0"]) if with_state else None
     o, (S, R) = reslin_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], x["gamma"], update=update,
                                  initial_state=initial, output_final_state=True,
-                                 cu_seqlens=cu_seqlens, backend=backend)
+                                 cu_seqlens=cu_seqlens, backend=backend, gamma_write=x["gamma_write"])
     return o, S, R
 
 
 def spec_reference(x, update, clip=1.0):
     """DESIGN.md section 1 per head and per token, float64, with explicit matrices. Independent
     of kernels_reslin_torch on purpose: it is how the reference itself is checked."""
-    q, k, v, g, beta, gamma = (None if x[n] is None else x[n].detach().double()
-                               for n in ("q", "k", "v", "g", "beta", "gamma"))
+    q, k, v, g, beta, gamma, gamma_write = (None if x[n] is None else x[n].detach().double()
+                                            for n in ("q", "k", "v", "g", "beta", "gamma", "gamma_write"))
+    if gamma_write is None:
+        gamma_write = gamma
     B, T, H, Dk = q.shape
     HV = v.shape[2]
     scale = Dk ** -0.5
@@ -90,7 +94,7 @@ def spec_reference(x, update, clip=1.0):
                     c = gamma[b, t, h]
                     r = torch.clamp(vt - S.T @ kt, -clip, clip)
                     inner = r - a * (R.T @ kt) if update == "delta" else r
-                    R = a * R + c * torch.outer(kt, inner)
+                    R = a * R + gamma_write[b, t, h] * torch.outer(kt, inner)
                     out[b, t, h] = scale * (a * (S.T @ qt) + c * (R.T @ qt))
                 inner = vt - a * (S.T @ kt) if update == "delta" else vt
                 S = a * S + bt * torch.outer(kt, inner)
@@ -99,9 +103,9 @@ def spec_reference(x, update, clip=1.0):
     return out
 
 
-@pytest.mark.parametrize("name,update,residual", RULES)
-def test_reference_matches_spec(name, update, residual):
-    x = make_inputs(2, 9, 1, 2, 3, 4, residual)
+@pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
+def test_reference_matches_spec(name, update, residual, kaczmarz):
+    x = make_inputs(2, 9, 1, 2, 3, 4, residual, kaczmarz=kaczmarz)
     o, _, _ = run(x, update, "recurrent")
     assert rel_err(o, spec_reference(x, update)) < 1e-5
 
@@ -213,6 +217,7 @@ def test_bad_inputs_raise_clear_errors():
         (dict(initial_state=(x["S0"], x["R0"])), "gamma is None"),
         (dict(cu_seqlens=torch.tensor([0, 5, 3, 8])), "never decrease"),
         (dict(cu_seqlens=torch.tensor([0, 5])), "end at T"),
+        (dict(gamma_write=x["gamma"]), "needs gamma"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
