@@ -174,3 +174,15 @@ def test_generate_from_inputs_embeds(tiny_model):
     from_ids = model.generate(ids, max_new_tokens=4, do_sample=False)
     from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4, do_sample=False)
     assert torch.equal(from_embeds, from_ids[:, 5:])  # generate returns only the new tokens here
+
+
+@torch.no_grad()
+def test_generate_into_a_user_built_cache(tiny_model, reslin):
+    model = tiny_model("hybrid")
+    ids = torch.randint(1, 100, (2, 5))
+    cache = reslin.ResLinCache(model.config, batch_size=2)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
+    assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
+    assert cache.get_seq_length() == out.shape[1] - 1
+    with pytest.raises(ValueError, match="batch of 2"):
+        model.generate(ids[:1], max_new_tokens=2, cache=reslin.ResLinCache(model.config, batch_size=2))
