@@ -200,7 +200,8 @@ class ResLinConfig(PretrainedConfig):
             _positive_int("sliding_window", sliding_window)
 
         _positive_int("max_position_embeddings", max_position_embeddings)
-        if isinstance(initializer_range, bool) or not isinstance(initializer_range, (int, float)) or initializer_range < 0:
+        if not isinstance(initializer_range, (int, float)) or isinstance(initializer_range, bool) \
+                or initializer_range < 0:
             raise ValueError(f"initializer_range must be a number >= 0, got {initializer_range!r}")
         _choice("kernel_backend", kernel_backend, KERNEL_BACKENDS)
         for name, token_id in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id)):

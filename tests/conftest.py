@@ -8,8 +8,9 @@ needed) and imports `reslin_repo.modeling_reslin` etc. from there. The tests thu
 working tree's files, exactly as they are. The remote-code tests instead load copies of the
 files through transformers' Auto classes with trust_remote_code=True (helpers below).
 
-Under pytest-xdist each worker runs torch on one thread. Each session (and each worker) also gets its own HF_MODULES_CACHE, so the
-remote-code loader never shares its module cache between concurrent workers.
+Under pytest-xdist each worker runs torch on one thread. Each session (and each worker) also
+gets its own HF_MODULES_CACHE, so the remote-code loader never shares its module cache between
+concurrent workers.
 """
 
 import importlib
