@@ -55,15 +55,8 @@ class ResLinCache:
 
     @property
     def is_linear(self):
+        # generate (5.24) reads this to decide whether its attention-mask helpers apply.
         return [layer_type == "linear_attention" for layer_type in self.layer_types]
-
-    @property
-    def is_sliding(self):
-        return [layer_type == "full_attention" and self.sliding_window is not None
-                for layer_type in self.layer_types]
-
-    def __len__(self):
-        return len(self.layer_types)
 
     def get_seq_length(self, layer_idx=0):
         """Number of tokens the cache has seen (padding included), the same for every layer."""
