@@ -397,6 +397,9 @@ def resolve_cache_keyword(cache, past_key_values):
 
 class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+    # generate refuses assisted / speculative decoding for stateful models: rejecting draft tokens
+    # would need the recurrent state rolled back, which ResLinCache cannot do.
+    _is_stateful = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -464,19 +467,6 @@ class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
                 if value is not None and value.shape[-1] > new_tokens:
                     model_inputs[name] = value[..., value.shape[-1] - new_tokens:]
         return model_inputs
-
-    def generate(self, *args, **kwargs):
-        generation_config = kwargs.get("generation_config") or self.generation_config
-        if (kwargs.get("assistant_model") is not None
-                or kwargs.get("prompt_lookup_num_tokens") is not None
-                or getattr(generation_config, "prompt_lookup_num_tokens", None) is not None
-                or kwargs.get("assistant_early_exit") is not None
-                or getattr(generation_config, "assistant_early_exit", None) is not None):
-            raise ValueError(
-                "ResLin models do not support assisted or speculative decoding (assistant_model, "
-                "prompt_lookup_num_tokens, assistant_early_exit): rejecting draft tokens needs the recurrent state "
-                "rolled back, which ResLinCache cannot do")
-        return super().generate(*args, **kwargs)
 
 
 # save_pretrained copies this file and its `from .x import` siblings only for registered classes.
