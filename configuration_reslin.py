@@ -78,7 +78,8 @@ class ResLinConfig(PretrainedConfig):
             `update_rule`, `step_rule` and `use_residual`, which must then all be given.
         update_rule (`str`, *optional*): `"delta"` or `"additive"`; filled from the preset.
         step_rule (`str`, *optional*): `"gated"` (beta = sigmoid(b_proj x), q and k L2-normalised) or
-            `"kaczmarz"` (beta = sigmoid(b_proj x) / (||k||^2 + eps), raw keys, normalised queries).
+            `"kaczmarz"` (beta = sigmoid(b_proj x) / (||k||^2 + eps), raw keys, normalised queries; with
+            the residual state, it is written with gamma / (||k||^2 + eps) and read with gamma).
         use_residual (`bool`, *optional*): add the residual state R with correction gate gamma.
         residual_clip (`float`, defaults to 1.0): clip threshold c of the residual error.
         kaczmarz_eps (`float`, defaults to 1e-6): eps of the Kaczmarz step size.

@@ -141,19 +141,22 @@ class ResLinLinearAttention(nn.Module):
         # Gates in fp32: g = -exp(A_log) * softplus(a_proj x + dt_bias) <= 0, beta = sigmoid(b_proj x).
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
         beta = self.b_proj(x).float().sigmoid()
+        gamma = self.gamma_proj(x).float().sigmoid() if self.use_residual else None
+        gamma_write = None  # the residual state's write strength, when it is not gamma itself
         q = l2_normalize(q)
         if self.step_rule == "kaczmarz":
-            # KLA keeps raw keys and takes the step eta / (||k||^2 + eps), per key head shared by its value heads.
+            # KLA keeps raw keys and takes the step eta / (||k||^2 + eps), per key head shared by its value
+            # heads. With raw keys the residual state's delta rule needs the same step (a plain gamma
+            # diverges once gamma ||k||^2 > 2), while its read keeps gamma.
             key_norm2 = k.float().pow(2).sum(-1).repeat_interleave(self.num_v_heads // self.num_heads, dim=-1)
             beta = beta / (key_norm2 + self.kaczmarz_eps)
+            gamma_write = gamma / (key_norm2 + self.kaczmarz_eps) if gamma is not None else None
         else:
             k = l2_normalize(k)
-        gamma = self.gamma_proj(x).float().sigmoid() if self.use_residual else None
         if token_mask is not None:
             # a = exp(0) = 1 and zero write strengths: a padded position passes every state through unchanged.
             step = token_mask.to(g.dtype)[..., None]
-            g, beta = g * step, beta * step
-            gamma = gamma * step if gamma is not None else None
+            g, beta, gamma, gamma_write = (t if t is None else t * step for t in (g, beta, gamma, gamma_write))
 
         o, final_state = reslin_attention(
             q, k, v, g, beta, gamma,
@@ -162,6 +165,7 @@ class ResLinLinearAttention(nn.Module):
             initial_state=cache.recurrent_states[self.layer_idx] if cache is not None else None,
             output_final_state=cache is not None,
             backend=self.kernel_backend,
+            gamma_write=gamma_write,
         )
         if cache is not None:
             cache.conv_states[self.layer_idx] = (q_state, k_state, v_state)

@@ -267,3 +267,48 @@ def test_beam_reorder_cache(tiny_model):
     expected = model(torch.cat([ids[order], nxt], dim=1)).logits[:, -1:]
     torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
     assert math.isfinite(got.sum().item())
+
+
+@pytest.mark.parametrize("mixer_name", ["gdn", "kla", "rdn", "rkla"])
+@torch.no_grad()
+def test_kernel_inputs_follow_the_step_rule(tiny_model, reslin, monkeypatch, mixer_name):
+    """What the layer hands reslin_attention: normalised q, keys and write strengths per step rule."""
+    model = tiny_model(mixer_name, initializer_range=0.2)  # features well above the L2 norm's eps
+    attn = model.model.layers[0].attn
+    calls = []
+    kernel = reslin.modeling.reslin_attention
+
+    def spy(q, k, v, g, beta, gamma=None, **kwargs):
+        calls.append(dict(q=q, k=k, g=g, beta=beta, gamma=gamma, **kwargs))
+        return kernel(q, k, v, g, beta, gamma, **kwargs)
+
+    monkeypatch.setattr(reslin.modeling, "reslin_attention", spy)
+    x = torch.randn(2, 6, 32)
+    attn(x)
+    call = calls[0]
+    torch.testing.assert_close(call["q"].norm(dim=-1), torch.ones(2, 6, 2), rtol=0, atol=1e-5)
+    assert call["update"] == model.config.update_rule and call["clip"] == 1.0
+    assert (call["g"] <= 0).all() and call["g"].dtype == torch.float32
+    eta = attn.b_proj(x).sigmoid()
+    gamma = attn.gamma_proj(x).sigmoid() if model.config.use_residual else None
+    if model.config.step_rule == "kaczmarz":
+        norm2 = call["k"].pow(2).sum(-1)
+        assert not torch.allclose(norm2, torch.ones_like(norm2))  # raw keys
+        torch.testing.assert_close(call["beta"], eta / (norm2 + 1e-6))
+        if gamma is not None:
+            torch.testing.assert_close(call["gamma_write"], gamma / (norm2 + 1e-6))
+    else:
+        torch.testing.assert_close(call["k"].norm(dim=-1), torch.ones(2, 6, 2), rtol=0, atol=1e-5)
+        torch.testing.assert_close(call["beta"], eta)
+        assert call["gamma_write"] is None
+    if gamma is None:
+        assert call["gamma"] is None
+    else:
+        torch.testing.assert_close(call["gamma"], gamma)
+
+
+@torch.no_grad()
+def test_rkla_stays_finite_with_large_keys(tiny_model):
+    model = tiny_model("rkla", initializer_range=0.5)
+    logits = model(torch.randint(1, 100, (2, 64))).logits
+    assert torch.isfinite(logits).all()
