@@ -148,71 +148,26 @@ class ResLinConfig(PretrainedConfig):
         eos_token_id=None,
         **kwargs,
     ):
-        _positive_int("vocab_size", vocab_size)
-        _positive_int("hidden_size", hidden_size)
-        _positive_int("num_hidden_layers", num_hidden_layers)
         update_rule, step_rule, use_residual = self._resolve_preset(attn_type, update_rule, step_rule, use_residual)
-        _positive_float("residual_clip", residual_clip)
-        _positive_float("kaczmarz_eps", kaczmarz_eps)
-
-        _positive_int("num_heads", num_heads)
-        _head_size("head_dim", head_dim)
-        _positive_float("expand_v", expand_v)
-        head_v_dim = head_dim * expand_v
-        if head_v_dim != int(head_v_dim):
-            raise ValueError(f"head_dim * expand_v (the value head size) must be an integer, got "
-                             f"{head_dim} * {expand_v} = {head_v_dim}")
-        _head_size("head_dim * expand_v (the value head size)", int(head_v_dim))
+        # The sizes that other fields' defaults derive from are checked before deriving from them.
+        for name, value in (("hidden_size", hidden_size), ("num_hidden_layers", num_hidden_layers),
+                            ("num_heads", num_heads)):
+            _positive_int(name, value)
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
-        _positive_int("num_v_heads", num_v_heads)
-        if num_v_heads % num_heads:
-            raise ValueError(f"num_v_heads must be a multiple of num_heads ({num_heads}), got {num_v_heads}")
-        _positive_int("conv_size", conv_size)
-
         if intermediate_size is None:
             intermediate_size = 256 * math.ceil(hidden_size * 8 / 3 / 256)
-        _positive_int("intermediate_size", intermediate_size)
-        _choice("hidden_act", hidden_act, HIDDEN_ACTS)
-        _positive_float("norm_eps", norm_eps)
-
-        layer_types = ["linear_attention"] * num_hidden_layers if layer_types is None else list(layer_types)
-        if len(layer_types) != num_hidden_layers:
-            raise ValueError(f"layer_types must have one entry per layer (num_hidden_layers = {num_hidden_layers}), "
-                             f"got {len(layer_types)}")
-        for layer_type in layer_types:
-            _choice("layer_types entries", layer_type, LAYER_TYPES)
+        if layer_types is None:
+            layer_types = ["linear_attention"] * num_hidden_layers
+        if not isinstance(layer_types, (list, tuple)):
+            raise ValueError(f"layer_types must be a list of {LAYER_TYPES}, got {layer_types!r}")
         num_attention_heads = num_heads if num_attention_heads is None else num_attention_heads
         _positive_int("num_attention_heads", num_attention_heads)
         num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        _positive_int("num_key_value_heads", num_key_value_heads)
-        if num_attention_heads % num_key_value_heads:
-            raise ValueError(f"num_key_value_heads must divide num_attention_heads ({num_attention_heads}), "
-                             f"got {num_key_value_heads}")
         if attention_head_dim is None:
             if hidden_size % num_attention_heads:
                 raise ValueError(f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads "
                                  f"({num_attention_heads}): set attention_head_dim explicitly")
             attention_head_dim = hidden_size // num_attention_heads
-        _head_size("attention_head_dim", attention_head_dim)
-        if attention_head_dim % 2:
-            raise ValueError(f"attention_head_dim must be even (RoPE rotates pairs), got {attention_head_dim}")
-        _positive_float("rope_theta", rope_theta)
-        if sliding_window is not None:
-            _positive_int("sliding_window", sliding_window)
-
-        _positive_int("max_position_embeddings", max_position_embeddings)
-        if not isinstance(initializer_range, (int, float)) or isinstance(initializer_range, bool) \
-                or initializer_range < 0:
-            raise ValueError(f"initializer_range must be a number >= 0, got {initializer_range!r}")
-        _choice("kernel_backend", kernel_backend, KERNEL_BACKENDS)
-        for name, token_id in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id)):
-            if token_id is not None and not (isinstance(token_id, int) and 0 <= token_id < vocab_size):
-                raise ValueError(f"{name} must be None or an integer in [0, vocab_size={vocab_size}), got {token_id!r}")
-        eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
-        for token_id in eos_ids:
-            if token_id is not None and not (isinstance(token_id, int) and 0 <= token_id < vocab_size):
-                raise ValueError(f"eos_token_id must be None, an integer or a list of integers in "
-                                 f"[0, vocab_size={vocab_size}), got {eos_token_id!r}")
 
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -221,8 +176,8 @@ class ResLinConfig(PretrainedConfig):
         self.update_rule = update_rule
         self.step_rule = step_rule
         self.use_residual = use_residual
-        self.residual_clip = float(residual_clip)
-        self.kaczmarz_eps = float(kaczmarz_eps)
+        self.residual_clip = residual_clip
+        self.kaczmarz_eps = kaczmarz_eps
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.expand_v = expand_v
@@ -231,16 +186,19 @@ class ResLinConfig(PretrainedConfig):
         self.intermediate_size = intermediate_size
         self.hidden_act = hidden_act
         self.norm_eps = norm_eps
-        self.layer_types = layer_types
+        self.layer_types = list(layer_types)
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads
         self.attention_head_dim = attention_head_dim
-        self.rope_theta = float(rope_theta)
+        self.rope_theta = rope_theta
         self.sliding_window = sliding_window
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.kernel_backend = kernel_backend
         self.use_cache = use_cache
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
+        # Our checks first: their messages name our fields, where transformers' own would not.
+        self.check_fields()
         kwargs.setdefault("auto_map", dict(AUTO_MAP))
         super().__init__(
             tie_word_embeddings=tie_word_embeddings,
@@ -249,6 +207,80 @@ class ResLinConfig(PretrainedConfig):
             eos_token_id=eos_token_id,
             **kwargs,
         )
+
+    def __setattr__(self, name, value):
+        # attn_type names a preset, so assigning it assigns the preset's settings too. This is also
+        # what makes from_pretrained(..., attn_type="kla") work: transformers applies such keyword
+        # overrides with setattr after __init__.
+        super().__setattr__(name, value)
+        if name == "attn_type" and value in ATTN_PRESETS:
+            for setting, preset_value in ATTN_PRESETS[value].items():
+                super().__setattr__(setting, preset_value)
+
+    def validate(self):
+        """transformers' validation hook (it runs it on save); the model runs it when it is built,
+        since from_pretrained applies keyword overrides with setattr after __init__."""
+        self.check_fields()
+        super().validate()
+
+    def check_fields(self):
+        """Every ResLin field, with a ValueError that names the field and what is allowed."""
+        _positive_int("vocab_size", self.vocab_size)
+        _positive_int("hidden_size", self.hidden_size)
+        _positive_int("num_hidden_layers", self.num_hidden_layers)
+        self._resolve_preset(self.attn_type, self.update_rule, self.step_rule, self.use_residual)
+        _positive_float("residual_clip", self.residual_clip)
+        _positive_float("kaczmarz_eps", self.kaczmarz_eps)
+
+        _positive_int("num_heads", self.num_heads)
+        _head_size("head_dim", self.head_dim)
+        _positive_float("expand_v", self.expand_v)
+        head_v_dim = self.head_dim * self.expand_v
+        if head_v_dim != int(head_v_dim):
+            raise ValueError(f"head_dim * expand_v (the value head size) must be an integer, got "
+                             f"{self.head_dim} * {self.expand_v} = {head_v_dim}")
+        _head_size("head_dim * expand_v (the value head size)", int(head_v_dim))
+        _positive_int("num_v_heads", self.num_v_heads)
+        if self.num_v_heads % self.num_heads:
+            raise ValueError(f"num_v_heads must be a multiple of num_heads ({self.num_heads}), got {self.num_v_heads}")
+        _positive_int("conv_size", self.conv_size)
+
+        _positive_int("intermediate_size", self.intermediate_size)
+        _choice("hidden_act", self.hidden_act, HIDDEN_ACTS)
+        _positive_float("norm_eps", self.norm_eps)
+
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types must have one entry per layer (num_hidden_layers = "
+                             f"{self.num_hidden_layers}), got {len(self.layer_types)}")
+        for layer_type in self.layer_types:
+            _choice("layer_types entries", layer_type, LAYER_TYPES)
+        _positive_int("num_attention_heads", self.num_attention_heads)
+        _positive_int("num_key_value_heads", self.num_key_value_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads must divide num_attention_heads ({self.num_attention_heads}), "
+                             f"got {self.num_key_value_heads}")
+        _head_size("attention_head_dim", self.attention_head_dim)
+        if self.attention_head_dim % 2:
+            raise ValueError(f"attention_head_dim must be even (RoPE rotates pairs), got {self.attention_head_dim}")
+        _positive_float("rope_theta", self.rope_theta)
+        if self.sliding_window is not None:
+            _positive_int("sliding_window", self.sliding_window)
+
+        _positive_int("max_position_embeddings", self.max_position_embeddings)
+        initializer_range = self.initializer_range
+        if isinstance(initializer_range, bool) or not isinstance(initializer_range, (int, float)) or initializer_range < 0:
+            raise ValueError(f"initializer_range must be a number >= 0, got {initializer_range!r}")
+        _choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+        for name in ("pad_token_id", "bos_token_id"):
+            token_id = getattr(self, name)
+            if token_id is not None and not (isinstance(token_id, int) and 0 <= token_id < self.vocab_size):
+                raise ValueError(f"{name} must be None or an integer in [0, vocab_size={self.vocab_size}), "
+                                 f"got {token_id!r}")
+        eos_token_id = self.eos_token_id
+        for token_id in eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]:
+            if token_id is not None and not (isinstance(token_id, int) and 0 <= token_id < self.vocab_size):
+                raise ValueError(f"eos_token_id must be None, an integer or a list of integers in "
+                                 f"[0, vocab_size={self.vocab_size}), got {eos_token_id!r}")
 
     @property
     def head_v_dim(self):

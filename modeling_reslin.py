@@ -317,6 +317,8 @@ def check_attention_mask(attention_mask, batch_size, total_length):
 
 class ResLinModel(ResLinPreTrainedModel):
     def __init__(self, config):
+        # Again here: from_pretrained(..., field=value) sets fields after the config's own checks ran.
+        config.validate()
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList([ResLinBlock(config, i) for i in range(config.num_hidden_layers)])

@@ -124,3 +124,22 @@ def test_repository_config_is_valid(reslin):
     config = reslin.ResLinConfig.from_pretrained(reslin.repo_root)
     assert config.num_hidden_layers == len(config.layer_types)
     assert set(config.auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+
+
+def test_from_pretrained_overrides_switch_presets_and_are_checked(reslin, tiny_config, tmp_path):
+    """from_pretrained(..., field=value) sets fields with setattr after __init__: attn_type must
+    still switch the whole preset, and a bad value must still fail, when the model is built."""
+    tiny_config("rdn").save_pretrained(tmp_path)
+    kla = reslin.ResLinConfig.from_pretrained(tmp_path, attn_type="kla")
+    assert (kla.update_rule, kla.step_rule, kla.use_residual) == ("delta", "kaczmarz", False)
+    model = reslin.ResLinForCausalLM(kla)
+    assert model.model.layers[0].attn.step_rule == "kaczmarz"
+    assert not hasattr(model.model.layers[0].attn, "gamma_proj")
+
+    too_big = reslin.ResLinConfig.from_pretrained(tmp_path, head_dim=1000)
+    with pytest.raises(ValueError, match="head_dim"):
+        reslin.ResLinForCausalLM(too_big)
+    contradiction = reslin.ResLinConfig.from_pretrained(tmp_path, attn_type="gdn")
+    contradiction.use_residual = True
+    with pytest.raises(ValueError, match="use_residual"):
+        reslin.ResLinForCausalLM(contradiction)
