@@ -108,9 +108,9 @@ def _chunk_scan(q, k, v, g, strength, state, update, exclusive):
         C = q.shape[-2]
         eye = torch.eye(C, dtype=q.dtype, device=q.device)
         lower = eye + strength[..., None] * (A_strict * KK)
-        U0 = torch.linalg.solve_triangular(lower, bv, upper=False, unitriangular=True)
-        W = torch.linalg.solve_triangular(lower, (strength * decay_in)[..., None] * k,
-                                          upper=False, unitriangular=True)
+        rhs = torch.cat([bv, (strength * decay_in)[..., None] * k], dim=-1)  # one solve for both
+        U0, W = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True).split(
+            [v.shape[-1], k.shape[-1]], dim=-1)
     else:
         U0, W = bv, None
 
@@ -126,15 +126,26 @@ def _chunk_scan(q, k, v, g, strength, state, update, exclusive):
     G_last = G[..., -1]
     k_out = (G_last[..., None] - G).exp()[..., None] * k              # exp(G_C - G_j) k_j
 
-    outputs, preds = [], []
+    # The only sequential part: each chunk's start state. Everything that reads those states
+    # then runs for all chunks at once.
+    last_decay = G_last.exp()[..., None, None]
+    k_out_T = k_out.transpose(-1, -2)
+    if W is None:
+        increments = k_out_T @ U0                                     # additive: writes ignore the state
+    starts, writes = [], []
     for n in range(q.shape[2]):
-        U = U0[:, :, n] if W is None else U0[:, :, n] - W[:, :, n] @ state
-        outputs.append(q_in[:, :, n] @ state + attend[:, :, n] @ U)
-        if exclusive:
-            preds.append(k_prev[:, :, n] @ state + pred_attend[:, :, n] @ U)
-        state = G_last[:, :, n, None, None].exp() * state + k_out[:, :, n].transpose(-1, -2) @ U
-    o = torch.stack(outputs, dim=2)
-    return o, (torch.stack(preds, dim=2) if exclusive else None), state
+        starts.append(state)
+        if W is None:
+            state = last_decay[:, :, n] * state + increments[:, :, n]
+        else:
+            U = U0[:, :, n] - W[:, :, n] @ state
+            writes.append(U)
+            state = last_decay[:, :, n] * state + k_out_T[:, :, n] @ U
+    starts = torch.stack(starts, dim=2)
+    U = U0 if W is None else torch.stack(writes, dim=2)
+    o = q_in @ starts + attend @ U
+    pred = k_prev @ starts + pred_attend @ U if exclusive else None
+    return o, pred, state
 
 
 def _to_chunks(x, chunk_size):
