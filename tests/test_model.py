@@ -256,7 +256,8 @@ def test_bf16_training_step_matches_fp32_gradients(tiny_model, mixer_name):
         grads[dtype] = torch.cat([p.grad.float().flatten() for p in model.parameters()])
     assert torch.isfinite(grads[torch.bfloat16]).all()
     error = (grads[torch.bfloat16] - grads[torch.float32]).norm() / grads[torch.float32].norm()
-    assert error < 1e-1, error  # measured 0.02-0.07 on these tiny models
+    # Measured 0.005 for rdn and hybrid, 0.064 for rkla, whose raw keys enter its step squared.
+    assert error < 1e-1, error
 
 
 def test_supports_default_dynamic_cache_is_false(reslin):
