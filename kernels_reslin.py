@@ -15,15 +15,26 @@ Rules (DESIGN.md section 1), per head, key-first states S, R of shape [Dk, Dv]:
 with a_t = exp(g_t). KLA is the delta rule with b_t = eta_t / (||k_t||^2 + eps), computed by
 the caller. RKLA gives its residual state the Kaczmarz step too: it writes R with
 gamma_write = gamma_t / (||k_t||^2 + eps) and reads it with gamma_t (see reslin_attention).
-Backends: "recurrent" (per-token fp32 reference), "torch" (chunked, fp32 accumulation), "auto" (the fastest available for the device: "torch" until Triton kernels ship).
+Backends: "recurrent" (per-token fp32 reference), "torch" (chunked, fp32 accumulation),
+"triton" (so far the one-token decode kernel, forward only), "auto" (Triton where it applies:
+CUDA, one token, no gradient; "torch" elsewhere). ``reslin_decode_step`` advances a
+generation cache's states in place by one token.
 """
 
 import torch
 
+# Relative imports for the remote-code loader; plain ones for `from kernels_reslin import ...`.
 try:
     from .kernels_reslin_torch import chunk_reslin, recurrent_reslin
-except ImportError:  # imported as a top-level module: `from kernels_reslin import reslin_attention`
+except ImportError:
     from kernels_reslin_torch import chunk_reslin, recurrent_reslin
+try:
+    try:
+        from .kernels_reslin_triton import decode_step as triton_decode_step
+    except ImportError:
+        from kernels_reslin_triton import decode_step as triton_decode_step
+except ImportError:  # no Triton installed: the "torch" backend serves everywhere
+    triton_decode_step = None
 
 UPDATE_RULES = ("delta", "additive")
 BACKENDS = ("auto", "torch", "triton", "recurrent")
@@ -113,23 +124,81 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
         without gamma), or None unless output_final_state.
     """
     _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend)
-    if backend == "triton":
-        raise NotImplementedError("the Triton backend is not bundled yet: use backend='torch' or 'auto'")
+    backend = _resolve_backend(backend, q, cu_seqlens, q, k, v, g, beta, gamma, gamma_write,
+                               *(initial_state or ()))
+    if gamma is not None and gamma_write is None:
+        gamma_write = gamma
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if scale is None:
         scale = Dk ** -0.5
-    if HV != H:
-        q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
-
     S0, R0 = initial_state if initial_state is not None else (None, None)
     zeros = lambda: q.new_zeros(N, HV, Dk, Dv, dtype=torch.float32)  # noqa: E731
     S0 = zeros() if S0 is None else S0.float()
     R0 = None if gamma is None else (zeros() if R0 is None else R0.float())
-    if gamma is not None and gamma_write is None:
-        gamma_write = gamma
 
+    if backend == "triton":
+        # The kernel advances states in place: give it copies, never the caller's initial state.
+        S, R = (None if x is None else x.clone(memory_format=torch.contiguous_format) for x in (S0, R0))
+        o = _triton_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
+        return o, ((S, R) if output_final_state else None)
+    if HV != H:
+        q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
     run = recurrent_reslin if backend == "recurrent" else chunk_reslin
     o, S, R = run(q, k, v, g, beta, gamma, gamma_write, update, float(clip), scale, S0, R0, cu_seqlens)
     return o.to(v.dtype), ((S, R) if output_final_state else None)
+
+
+def reslin_decode_step(q, k, v, g, beta, state, gamma=None, gamma_write=None, update="delta", clip=1.0,
+                       scale=None, backend="auto"):
+    """One token for a batch of sequences, advancing ``state = (S, R)`` in place: what generation
+    calls at every step. Inputs shaped as for reslin_attention with T = 1; S and R fp32
+    [B, HV, Dk, Dv] (R None without gamma). Returns o [B, 1, HV, Dv] in v's dtype."""
+    _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, state, None, backend)
+    S, R = state
+    if q.shape[1] != 1:
+        raise ValueError(f"reslin_decode_step takes one token (T = 1), got T = {q.shape[1]}")
+    if (gamma is None) != (R is None):
+        raise ValueError("state must hold a residual state R exactly when gamma is given")
+    for name, x in (("S", S), ("R", R)):
+        if x is not None and (x.dtype != torch.float32 or not x.is_contiguous()):
+            raise ValueError(f"state {name} must be a contiguous fp32 tensor, got {x.dtype}")
+    backend = _resolve_backend(backend, q, None, q, k, v, g, beta, gamma, gamma_write, S, R)
+    if gamma is not None and gamma_write is None:
+        gamma_write = gamma
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if backend == "triton":
+        return _triton_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
+    o, (S_next, R_next) = reslin_attention(q, k, v, g, beta, gamma, update=update, clip=clip, scale=scale,
+                                           initial_state=state, output_final_state=True, backend=backend,
+                                           gamma_write=gamma_write)
+    S.copy_(S_next)
+    if R is not None:
+        R.copy_(R_next)
+    return o
+
+
+def _resolve_backend(backend, q, cu_seqlens, *tensors):
+    """The concrete backend for this call: "auto" takes Triton where a Triton kernel applies.
+    ``tensors``: every input and state, to tell whether autograd needs a backward."""
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    applies = q.shape[1] == 1 and cu_seqlens is None and not needs_grad
+    if backend == "auto":
+        return "triton" if triton_decode_step is not None and q.is_cuda and applies else "torch"
+    if backend == "triton":
+        if triton_decode_step is None:
+            raise ImportError("backend='triton' needs the triton package: install it, or use backend='torch'")
+        if not applies:
+            raise NotImplementedError(
+                "the Triton backend has only its one-token decode kernel so far (T = 1, no cu_seqlens, "
+                "no gradient): use backend='torch' or 'auto' for longer sequences and for training")
+    return backend
+
+
+def _triton_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale):
+    pick = lambda x: None if x is None else x[:, 0]  # noqa: E731
+    o = triton_decode_step(pick(q), pick(k), pick(v), pick(g), pick(beta), pick(gamma), pick(gamma_write),
+                           S, R, update, float(clip), scale)
+    return o[:, None]

@@ -29,6 +29,11 @@ os.environ["HF_MODULES_CACHE"] = str(_SESSION_DIR / "hf_modules")  # before tran
 
 import torch  # noqa: E402
 
+# Without a GPU, Triton kernels run in Triton's CPU interpreter (trustworthy in fp32 only: it
+# computes bf16 wrongly). Set before any kernel module is imported, since triton.jit reads it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers already fill the cores; more intra-op threads per worker only contend (~4x slower here).
     torch.set_num_threads(1)

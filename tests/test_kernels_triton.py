@@ -1,0 +1,83 @@
+"""The Triton kernels against the fp32 per-token reference.
+
+On a machine without a GPU they run in Triton's CPU interpreter (conftest sets TRITON_INTERPRET),
+in fp32 only (the interpreter computes bf16 wrongly): relative error <= 1e-5. The same tests
+run compiled on a GPU; test_gpu.py adds bf16 at real sizes there.
+"""
+
+import pytest
+import torch
+
+import kernels_reslin
+from kernels_reslin import reslin_attention, reslin_decode_step
+from test_kernels import STEPPED_RULES, make_inputs, rel_err
+
+pytestmark = pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (B, H, HV, Dk, Dv): one head, several heads, grouped value heads, Dk != Dv, sizes that are
+# not powers of two (masked tiles).
+DECODE_SHAPES = [(1, 1, 1, 16, 16), (3, 2, 4, 16, 32), (2, 2, 2, 24, 12), (1, 1, 2, 128, 64)]
+
+
+def on_device(x):
+    return {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "B{}H{}HV{}Dk{}Dv{}".format(*s))
+@pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
+def test_decode_step_matches_reference(name, update, residual, kaczmarz, shape, backend):
+    """reslin_decode_step in place, through the Triton kernel and through the torch fallback."""
+    B, H, HV, Dk, Dv = shape
+    x = on_device(make_inputs(B, 3, H, HV, Dk, Dv, residual, kaczmarz=kaczmarz))
+    S = x["S0"].clone()
+    R = x["R0"].clone() if residual else None
+    for t in range(3):  # three steps in place, each against the reference run from the start
+        step = {n: x[n][:, t:t + 1] for n in ("q", "k", "v", "g", "beta")}
+        gates = {n: None if x[n] is None else x[n][:, t:t + 1] for n in ("gamma", "gamma_write")}
+        o = reslin_decode_step(**step, state=(S, R), **gates, update=update, backend=backend)
+        prefix = {n: v if v is None or n in ("S0", "R0") else v[:, :t + 1] for n, v in x.items()}
+        o_ref, (S_ref, R_ref) = reslin_attention(
+            prefix["q"], prefix["k"], prefix["v"], prefix["g"], prefix["beta"], prefix["gamma"],
+            update=update, initial_state=(x["S0"], x["R0"]), output_final_state=True,
+            backend="recurrent", gamma_write=prefix["gamma_write"])
+        assert rel_err(o, o_ref[:, -1:]) < 1e-5
+        assert rel_err(S, S_ref) < 1e-5
+        if residual:
+            assert rel_err(R, R_ref) < 1e-5
+
+
+@pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
+def test_triton_backend_leaves_the_initial_state_alone(name, update, residual, kaczmarz):
+    x = on_device(make_inputs(2, 1, 2, 2, 16, 16, residual, kaczmarz=kaczmarz))
+    S0 = x["S0"].clone()
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "gamma")]
+    o, (S, R) = reslin_attention(*args, update=update, initial_state=(x["S0"], x["R0"]),
+                                 output_final_state=True, backend="triton", gamma_write=x["gamma_write"])
+    o_ref, (S_ref, _) = reslin_attention(*args, update=update, initial_state=(x["S0"], x["R0"]),
+                                         output_final_state=True, backend="recurrent",
+                                         gamma_write=x["gamma_write"])
+    assert torch.equal(x["S0"], S0)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
+
+
+def test_triton_backend_refuses_what_it_cannot_do_yet():
+    x = on_device(make_inputs(1, 4, 1, 1, 16, 16, residual=False, requires_grad=True))
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(NotImplementedError, match="one-token decode kernel"):
+        reslin_attention(*args, backend="triton")
+    with pytest.raises(NotImplementedError, match="no gradient"):
+        reslin_attention(*(a[:, :1] for a in args), backend="triton")
+    with torch.no_grad():
+        reslin_attention(*(a[:, :1] for a in args), backend="triton")
+
+
+def test_decode_step_checks_its_state():
+    x = make_inputs(1, 1, 1, 1, 8, 8, residual=True)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(ValueError, match="exactly when gamma"):
+        reslin_decode_step(*args, state=(x["S0"], None), gamma=x["gamma"])
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        reslin_decode_step(*args, state=(x["S0"].double(), None))
+    with pytest.raises(ValueError, match="one token"):
+        reslin_decode_step(*(torch.cat([a, a], 1) for a in args), state=(x["S0"], None))
