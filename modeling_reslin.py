@@ -27,7 +27,7 @@ from transformers.utils import logging
 
 from .cache_reslin import ResLinCache
 from .configuration_reslin import ResLinConfig
-from .kernels_reslin import reslin_attention
+from .kernels_reslin import reslin_attention, reslin_decode_step
 
 logger = logging.get_logger(__name__)
 
@@ -105,9 +105,9 @@ class ResLinLinearAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, key_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, value_dim, bias=False)
         self.a_proj = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
-        self.b_proj = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.b_proj = nn.Linear(config.hidden_size, self.num_v_heads, bias=config.write_gate_bias)
         if self.use_residual:
-            self.gamma_proj = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+            self.gamma_proj = nn.Linear(config.hidden_size, self.num_v_heads, bias=config.write_gate_bias)
         # Filled by ResLinPreTrainedModel._init_weights (Mamba2's initialisation).
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
@@ -161,18 +161,19 @@ class ResLinLinearAttention(nn.Module):
             step = token_mask.to(g.dtype)[..., None]
             g, beta, gamma, gamma_write = (t if t is None else t * step for t in (g, beta, gamma, gamma_write))
 
-        o, final_state = reslin_attention(
-            q, k, v, g, beta, gamma,
-            update=self.update_rule,
-            clip=self.residual_clip,
-            initial_state=cache.recurrent_states[self.layer_idx] if cache is not None else None,
-            output_final_state=cache is not None,
-            backend=self.kernel_backend,
-            gamma_write=gamma_write,
-        )
+        state = cache.recurrent_states[self.layer_idx] if cache is not None else None
+        if state is not None and T == 1 and not torch.is_grad_enabled():
+            # A generation step: advance the cached fp32 states in place (the fused decode kernel on
+            # CUDA). Not under autograd, where an earlier graph may still need the old states.
+            o = reslin_decode_step(q, k, v, g, beta, state, gamma, gamma_write, update=self.update_rule,
+                                   clip=self.residual_clip, backend=self.kernel_backend)
+        else:
+            o, state = reslin_attention(q, k, v, g, beta, gamma, update=self.update_rule, clip=self.residual_clip,
+                                        initial_state=state, output_final_state=cache is not None,
+                                        backend=self.kernel_backend, gamma_write=gamma_write)
         if cache is not None:
             cache.conv_states[self.layer_idx] = (q_state, k_state, v_state)
-            cache.recurrent_states[self.layer_idx] = final_state
+            cache.recurrent_states[self.layer_idx] = state
 
         gate = self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
         o = self.o_norm(o, gate)
@@ -195,9 +196,9 @@ class ResLinAttention(nn.Module):
         self.head_dim = config.attention_head_dim
         self.rope_theta = config.rope_theta
         self.sliding_window = config.sliding_window
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def rotary(self, position_ids, dtype):
