@@ -83,6 +83,8 @@ class ResLinConfig(PretrainedConfig):
         use_residual (`bool`, *optional*): add the residual state R with correction gate gamma.
         residual_clip (`float`, defaults to 1.0): clip threshold c of the residual error.
         kaczmarz_eps (`float`, defaults to 1e-6): eps of the Kaczmarz step size.
+        write_gate_bias (`bool`, defaults to False): `b_proj` (and `gamma_proj`) carry a bias, as in
+            NVlabs' Gated DeltaNet checkpoints.
         num_heads (`int`, defaults to 8): query/key heads of the linear attention layers.
         head_dim (`int`, defaults to 128): query/key head size (1..256).
         expand_v (`float`, defaults to 1.0): value head size = head_dim * expand_v (an integer, 1..256).
@@ -102,6 +104,8 @@ class ResLinConfig(PretrainedConfig):
         rope_theta (`float`, defaults to 10000.0): RoPE base of full attention layers.
         sliding_window (`int`, *optional*): if set, full attention layers see only the last
             `sliding_window` tokens (the query's own included).
+        attention_bias (`bool`, defaults to False): full attention layers' q, k and v projections
+            carry a bias (FLA's `qkv_bias`).
         max_position_embeddings (`int`, defaults to 2048): nominal context length (informational:
             linear layers have no position limit).
         initializer_range (`float`, defaults to 0.02): std of the normal weight initialisation.
@@ -124,6 +128,7 @@ class ResLinConfig(PretrainedConfig):
         use_residual=None,
         residual_clip=1.0,
         kaczmarz_eps=1e-6,
+        write_gate_bias=False,
         num_heads=8,
         head_dim=128,
         expand_v=1.0,
@@ -138,6 +143,7 @@ class ResLinConfig(PretrainedConfig):
         attention_head_dim=None,
         rope_theta=10000.0,
         sliding_window=None,
+        attention_bias=False,
         max_position_embeddings=2048,
         initializer_range=0.02,
         kernel_backend="auto",
@@ -178,6 +184,7 @@ class ResLinConfig(PretrainedConfig):
         self.use_residual = use_residual
         self.residual_clip = residual_clip
         self.kaczmarz_eps = kaczmarz_eps
+        self.write_gate_bias = write_gate_bias
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.expand_v = expand_v
@@ -192,6 +199,7 @@ class ResLinConfig(PretrainedConfig):
         self.attention_head_dim = attention_head_dim
         self.rope_theta = rope_theta
         self.sliding_window = sliding_window
+        self.attention_bias = attention_bias
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.kernel_backend = kernel_backend
@@ -231,6 +239,7 @@ class ResLinConfig(PretrainedConfig):
         self._resolve_preset(self.attn_type, self.update_rule, self.step_rule, self.use_residual)
         _positive_float("residual_clip", self.residual_clip)
         _positive_float("kaczmarz_eps", self.kaczmarz_eps)
+        _choice("write_gate_bias", self.write_gate_bias, (False, True))
 
         _positive_int("num_heads", self.num_heads)
         _head_size("head_dim", self.head_dim)
@@ -265,6 +274,7 @@ class ResLinConfig(PretrainedConfig):
         _positive_float("rope_theta", self.rope_theta)
         if self.sliding_window is not None:
             _positive_int("sliding_window", self.sliding_window)
+        _choice("attention_bias", self.attention_bias, (False, True))
 
         _positive_int("max_position_embeddings", self.max_position_embeddings)
         initializer_range = self.initializer_range
