@@ -1,0 +1,384 @@
+"""convert/: Gated DeltaNet checkpoints (FLA, NVlabs lit_gpt) -> ResLin folders.
+
+- `--attn-type gdn` against FLA 0.6.0 itself (a test-only dependency): small random FLA models,
+  converted, logits compared on the same tokens, fp32, within 1e-4 of the largest logit. Without
+  a GPU FLA's Triton kernels run in the interpreter (conftest sets TRITON_INTERPRET), with every
+  autotuned kernel cut to its first config (the autotuner's benchmark needs a GPU); FLA's
+  attention layers need flash-attn, which a CPU lacks, so they call a plain SDPA stand-in here.
+- lit_gpt against a plain per-token PyTorch rewrite of its forward (lit_gpt itself needs CUDA).
+- upcycling, sharding, and every refusal: exit status 1, a message naming the problem, no folder.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from convert.__main__ import main
+
+from conftest import REPO_ROOT, build_model
+
+FLA_TOLERANCE = 1e-4  # max |ours - FLA| / max |FLA logits|, fp32
+FLA_GPU_TOLERANCE = 3e-2  # the same in bf16, two different kernel sets
+
+
+def flash_attn_stand_in(q, k, v, causal=True, window_size=(-1, -1), **kwargs):
+    """flash_attn_func's semantics ([B, T, H, D], GQA, window (w - 1, 0)) through SDPA, fp32."""
+    assert causal and not kwargs
+    i, j = torch.arange(q.shape[1])[:, None], torch.arange(q.shape[1])[None]
+    visible = (j <= i) & ((i - j <= window_size[0]) if window_size[0] >= 0 else True)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=visible.to(q.device), enable_gqa=True)
+    return o.transpose(1, 2)
+
+
+@pytest.fixture(scope="module")
+def fla():
+    if not torch.cuda.is_available():
+        from triton.runtime.autotuner import Autotuner
+
+        if not getattr(Autotuner, "one_config_for_tests", False):
+            init = Autotuner.__init__
+
+            def one_config(self, fn, arg_names, configs, *args, **kwargs):
+                init(self, fn, arg_names, configs[:1], *args, **kwargs)
+
+            Autotuner.__init__, Autotuner.one_config_for_tests = one_config, True
+    pytest.importorskip("fla")
+    import fla.layers.attn
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    if fla.layers.attn.flash_attn_func is None:
+        fla.layers.attn.flash_attn_func = flash_attn_stand_in
+    return GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+
+def randomize(model, seed):
+    """Weights far from their initialisation, so that a swapped or mis-scaled tensor shows in the logits."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            if name.endswith(("A_log", "dt_bias")):
+                p.add_(0.3 * noise)
+            elif p.dim() == 1:  # norm weights, biases
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[-1] if "conv1d" not in name else 2))
+
+
+def run(capsys, *args):
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+FLA_CASES = {
+    # .bin source, tied embeddings, value heads = key heads
+    "plain_bin_tied": dict(num_v_heads=None, tie_word_embeddings=True),
+    # grouped value heads, sharded safetensors in and out
+    "grouped_v_sharded": dict(num_v_heads=4),
+    # hybrid: an attention layer with GQA, sliding window, qkv bias, own RoPE base
+    "hybrid": dict(num_v_heads=4, attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": 6,
+                                        "qkv_bias": True, "rope_theta": 500.0}),
+}
+
+
+def make_fla_folder(fla, folder, case, dtype=torch.float32, seed=0):
+    GatedDeltaNetConfig, GatedDeltaNetForCausalLM = fla
+    torch.manual_seed(seed)
+    # Head value size 8 and few heads: the interpreter runs one program per (value block, head).
+    config = GatedDeltaNetConfig(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=16, expand_v=0.5,
+                                 hidden_ratio=2, vocab_size=96, norm_eps=1e-5, fuse_cross_entropy=False,
+                                 **FLA_CASES[case])
+    model = GatedDeltaNetForCausalLM(config)
+    randomize(model, seed)
+    model = model.to(dtype).eval()
+    if case == "plain_bin_tied":
+        model.save_pretrained(folder)
+        (folder / "model.safetensors").unlink()
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    else:
+        model.save_pretrained(folder, max_shard_size="40KB")
+    (folder / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    return model
+
+
+@pytest.mark.parametrize("case", list(FLA_CASES))
+def test_gdn_conversion_reproduces_fla(fla, case, tmp_path, capsys, load_remote):
+    source = make_fla_folder(fla, tmp_path / "fla", case)
+    if case == "grouped_v_sharded":
+        assert (tmp_path / "fla" / "model.safetensors.index.json").exists()
+    code, out, err = run(capsys, "--src", tmp_path / "fla", "--dst", tmp_path / "reslin", "--attn-type", "gdn",
+                         "--max-shard-size", "30KB")
+    assert code == 0, err
+    written = tmp_path / "reslin"
+    config = json.loads((written / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_reslin.ResLinForCausalLM"
+    assert {p.name for p in REPO_ROOT.glob("*_reslin*.py")} <= {p.name for p in written.iterdir()}
+    assert (written / "tokenizer_config.json").exists() and (written / "generation_config.json").exists()
+    index = json.loads((written / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+    model = load_remote(written, dtype=torch.float32).eval()
+    tokens = torch.randint(96, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = source(tokens).logits
+        got = model(tokens).logits
+    error = (got - expected).abs().max() / expected.abs().max()
+    assert error <= FLA_TOLERANCE, f"{case}: relative error {error:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gdn_conversion_reproduces_fla_on_gpu_bf16(fla, tmp_path, capsys, load_remote):
+    """FLA's chunked GPU kernels (T = 200 > 64) against ResLin's, both bf16."""
+    for case in ("grouped_v_sharded", "hybrid"):
+        if case == "hybrid":
+            pytest.importorskip("flash_attn")
+        source = make_fla_folder(fla, tmp_path / case, case, dtype=torch.bfloat16).cuda()
+        code, _, err = run(capsys, "--src", tmp_path / case, "--dst", tmp_path / f"{case}-reslin",
+                           "--attn-type", "gdn")
+        assert code == 0, err
+        model = load_remote(tmp_path / f"{case}-reslin", dtype=torch.bfloat16).cuda().eval()
+        tokens = torch.randint(96, (2, 200), generator=torch.Generator().manual_seed(1)).cuda()
+        with torch.no_grad():
+            expected, got = source(tokens).logits.float(), model(tokens).logits.float()
+        error = (got - expected).abs().max() / expected.abs().max()
+        print(f"{case}: bf16 relative error {error:.2e}")
+        assert error <= FLA_GPU_TOLERANCE, f"{case}: relative error {error:.2e}"
+
+
+def fla_folder_from_reslin(folder, config_overrides=None, state_edit=None, seed=0):
+    """An FLA-layout checkpoint written without FLA: ResLin's GDN names are FLA's."""
+    model = build_model("gdn", seed=seed, num_v_heads=4, expand_v=0.5, tie_word_embeddings=False)
+    randomize(model, seed)
+    c = model.config
+    config = {"model_type": "gated_deltanet", "architectures": ["GatedDeltaNetForCausalLM"],
+              "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
+              "num_heads": c.num_heads, "head_dim": c.head_dim, "expand_v": c.expand_v, "num_v_heads": c.num_v_heads,
+              "intermediate_size": c.intermediate_size, "norm_eps": c.norm_eps, "tie_word_embeddings": False,
+              **(config_overrides or {})}
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if state_edit:
+        state_edit(state)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(state, str(folder / "model.safetensors"))
+    return model
+
+
+@pytest.mark.parametrize("attn_type", ["kla", "rdn", "rkla"])
+def test_upcycling_copies_shared_weights_and_prints_the_probe(attn_type, tmp_path, capsys, load_remote):
+    source = fla_folder_from_reslin(tmp_path / "fla")
+    code, out, err = run(capsys, "--src", tmp_path / "fla", "--dst", tmp_path / "up", "--attn-type", attn_type)
+    assert code == 0, err
+    assert f"probe (2 x 64 random tokens), {attn_type} vs the source: logits relative L2 distance" in out
+    model = load_remote(tmp_path / "up", dtype=torch.float32)
+    assert model.config.attn_type == attn_type
+    got, expected = model.state_dict(), source.state_dict()
+    assert set(got) - set(expected) == ({f"model.layers.{i}.attn.gamma_proj.weight" for i in range(2)}
+                                        if attn_type != "kla" else set())
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+    for name in set(got) - set(expected):  # gamma starts as beta
+        assert torch.equal(got[name], got[name.replace("gamma_proj", "b_proj")])
+
+
+def test_dtype_flag_casts_weights(tmp_path, capsys):
+    fla_folder_from_reslin(tmp_path / "fla")
+    code, _, err = run(capsys, "--src", tmp_path / "fla", "--dst", tmp_path / "bf16", "--attn-type", "gdn",
+                       "--dtype", "bf16")
+    assert code == 0, err
+    assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+# ---------------------------------------------------------------- lit_gpt
+
+LITGPT = {"n_embd": 48, "n_layer": 2, "padded_vocab_size": 80, "intermediate_size": 64, "num_heads": 3}
+
+
+def litgpt_state(seed=0):
+    c = LITGPT
+    key_dim, value_dim, hidden = int(c["n_embd"] * 0.75), int(c["n_embd"] * 1.5), c["n_embd"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=None):
+        return torch.randn(shape, generator=generator) * (scale if scale is not None else shape[-1] ** -0.5)
+
+    state = {"transformer.wte.weight": rand(c["padded_vocab_size"], hidden, scale=1.0),
+             "transformer.ln_f.weight": 1 + rand(hidden, scale=0.3)}
+    for i in range(c["n_layer"]):
+        p = f"transformer.h.{i}."
+        state.update({
+            p + "norm_1.weight": 1 + rand(hidden, scale=0.3), p + "norm_2.weight": 1 + rand(hidden, scale=0.3),
+            p + "attn.q_proj.weight": rand(key_dim, hidden), p + "attn.k_proj.weight": rand(key_dim, hidden),
+            p + "attn.v_proj.weight": rand(value_dim, hidden), p + "attn.g_proj.weight": rand(value_dim, hidden),
+            p + "attn.o_proj.weight": rand(hidden, value_dim),
+            p + "attn.q_conv1d.weight": rand(key_dim, 1, 4, scale=0.5),
+            p + "attn.k_conv1d.weight": rand(key_dim, 1, 4, scale=0.5),
+            p + "attn.v_conv1d.weight": rand(value_dim, 1, 4, scale=0.5),
+            p + "attn.gk_proj.weight": rand(3, hidden), p + "attn.b_proj.weight": rand(3, hidden),
+            p + "attn.b_proj.bias": rand(3, scale=1.0), p + "attn.A_log": rand(3, scale=0.5),
+            p + "attn.dt_bias": rand(3, scale=0.5), p + "attn.D": torch.ones(3),
+            p + "attn.g_norm_swish_gate.weight": 1 + rand(value_dim // 3, scale=0.3),
+            p + "mlp.swiglu.w1.weight": rand(64, hidden), p + "mlp.swiglu.w2.weight": rand(64, hidden),
+            p + "mlp.swiglu.w3.weight": rand(hidden, 64),
+        })
+    state["lm_head.weight"] = state["transformer.wte.weight"]  # lit_gpt ties them
+    return state
+
+
+def litgpt_forward(s, ids, eps=1e-5):
+    """lit_gpt's GPT + GatedDeltaNet forward, written out per token in fp64 (no ResLin code)."""
+    s = {k: v.double() for k, v in s.items()}
+    heads = LITGPT["num_heads"]
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def conv_silu(x, w):  # causal depthwise, x [T, D], w [D, 1, K]
+        K = w.shape[-1]
+        x = torch.cat([x.new_zeros(K - 1, x.shape[1]), x])
+        return F.silu(sum(x[i:i + len(x) - K + 1] * w[:, 0, i] for i in range(K)))
+
+    x = s["transformer.wte.weight"][ids]
+    for i in range(LITGPT["n_layer"]):
+        p = {k[len(f"transformer.h.{i}."):]: v for k, v in s.items() if k.startswith(f"transformer.h.{i}.")}
+        h = rms(x, p["norm_1.weight"])
+        q, k, v = (conv_silu(h @ p[f"attn.{n}_proj.weight"].T, p[f"attn.{n}_conv1d.weight"]) for n in "qkv")
+        q, k, v = (t.view(len(ids), heads, -1) for t in (q, k, v))
+        q, k = F.normalize(q, dim=-1, eps=1e-12), F.normalize(k, dim=-1, eps=1e-12)
+        g = -p["attn.A_log"].exp() * F.softplus(h @ p["attn.gk_proj.weight"].T + p["attn.dt_bias"])
+        beta = torch.sigmoid(h @ p["attn.b_proj.weight"].T + p["attn.b_proj.bias"])
+        S = x.new_zeros(heads, k.shape[-1], v.shape[-1])
+        outputs = []
+        for t in range(len(ids)):
+            S = g[t].exp()[:, None, None] * S
+            error = v[t] - torch.einsum("hkv,hk->hv", S, k[t])
+            S = S + beta[t][:, None, None] * torch.einsum("hk,hv->hkv", k[t], error)
+            outputs.append(torch.einsum("hkv,hk->hv", S, q[t]) * k.shape[-1] ** -0.5)
+        o = rms(torch.stack(outputs), p["attn.g_norm_swish_gate.weight"])
+        o = o.reshape(len(ids), -1) * F.silu(h @ p["attn.g_proj.weight"].T)
+        x = x + o @ p["attn.o_proj.weight"].T
+        n2 = rms(x, p["norm_2.weight"])
+        x = x + (F.silu(n2 @ p["mlp.swiglu.w1.weight"].T) * (n2 @ p["mlp.swiglu.w2.weight"].T)) @ p[
+            "mlp.swiglu.w3.weight"].T
+    return rms(x, s["transformer.ln_f.weight"]) @ s["lm_head.weight"].T
+
+
+def write_litgpt(folder, state=None, config=None):
+    folder.mkdir()
+    torch.save({"model": state if state is not None else litgpt_state()}, folder / "lit_model.pth")
+    (folder / "litgpt.json").write_text(json.dumps(config if config is not None else LITGPT))
+
+
+def test_litgpt_conversion_reproduces_its_forward(tmp_path, capsys, load_remote):
+    write_litgpt(tmp_path / "lit")
+    code, out, err = run(capsys, "--src", tmp_path / "lit" / "lit_model.pth", "--dst", tmp_path / "reslin",
+                         "--attn-type", "gdn", "--layout", "litgpt", "--litgpt-config", tmp_path / "lit" / "litgpt.json")
+    assert code == 0, err
+    model = load_remote(tmp_path / "reslin", dtype=torch.float64).eval()
+    assert model.config.write_gate_bias and model.config.tie_word_embeddings
+    ids = torch.randint(80, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = model(ids[None]).logits[0]
+    expected = litgpt_forward(litgpt_state(), ids)
+    error = (got - expected).abs().max() / expected.abs().max()
+    assert error <= 1e-6, f"relative error {error:.2e}"  # fp64 on both sides
+
+
+def test_litgpt_upcycles_with_gamma_bias(tmp_path, capsys, load_remote):
+    write_litgpt(tmp_path / "lit")
+    code, out, err = run(capsys, "--src", tmp_path / "lit", "--dst", tmp_path / "rdn", "--attn-type", "rdn",
+                         "--layout", "litgpt", "--litgpt-config", tmp_path / "lit" / "litgpt.json")
+    assert code == 0, err
+    state = load_remote(tmp_path / "rdn").state_dict()
+    assert torch.equal(state["model.layers.0.attn.gamma_proj.bias"], state["model.layers.0.attn.b_proj.bias"])
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def _set_nan(state):
+    state["model.layers.1.attn.k_proj.weight"][0, 0] = float("nan")
+
+
+BAD_FLA = {
+    "unknown model_type": (dict(model_type="mamba2"), None, "model_type 'mamba2'"),
+    "unsupported option": (dict(allow_neg_eigval=True), None, "allow_neg_eigval=True"),
+    "missing tensor": (None, lambda s: s.pop("model.layers.0.attn.dt_bias"), "model.layers.0.attn.dt_bias"),
+    "extra tensor": (None, lambda s: s.update({"model.layers.0.attn.a_proj.bias": torch.zeros(4)}),
+                     "unexpected tensor 'model.layers.0.attn.a_proj.bias'"),
+    "unknown tensor": (None, lambda s: s.update({"model.layers.0.attn.D": torch.zeros(4)}),
+                       "unexpected tensor 'model.layers.0.attn.D'"),
+    "shape": (dict(head_dim=8), None, "has shape"),
+    "nan": (None, _set_nan, "'model.layers.1.attn.k_proj.weight' in model.safetensors holds NaN or inf"),
+    "hybrid settings differ": (dict(attn=[{"layers": [0], "num_heads": 2}, {"layers": [1], "num_heads": 4}]), None,
+                               "differ"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FLA))
+def test_bad_fla_input_is_refused_and_nothing_is_written(case, tmp_path, capsys):
+    overrides, edit, message = BAD_FLA[case]
+    fla_folder_from_reslin(tmp_path / "fla", overrides, edit)
+    code, out, err = run(capsys, "--src", tmp_path / "fla", "--dst", tmp_path / "out", "--attn-type", "rdn")
+    assert code == 1 and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fla"]  # no destination, no staging folder
+
+
+def test_bad_litgpt_input_is_refused(tmp_path, capsys):
+    state = litgpt_state()
+    state["transformer.h.0.attn.k_proj.weight"][1, 2] = float("inf")
+    write_litgpt(tmp_path / "lit", state)
+    args = ["--dst", tmp_path / "out", "--attn-type", "gdn", "--layout", "litgpt"]
+    code, _, err = run(capsys, "--src", tmp_path / "lit", *args, "--litgpt-config", tmp_path / "lit" / "litgpt.json")
+    assert code == 1 and "'transformer.h.0.attn.k_proj.weight' in lit_model.pth holds NaN or inf" in err
+    (tmp_path / "bad.json").write_text(json.dumps({**LITGPT, "use_residual": True}))
+    code, _, err = run(capsys, "--src", tmp_path / "lit", *args, "--litgpt-config", tmp_path / "bad.json")
+    assert code == 1 and "use_residual=True" in err
+    (tmp_path / "bad.json").write_text(json.dumps({"n_embd": 48}))
+    code, _, err = run(capsys, "--src", tmp_path / "lit", *args, "--litgpt-config", tmp_path / "bad.json")
+    assert code == 1 and "missing keys ['intermediate_size', 'n_layer', 'num_heads', 'padded_vocab_size']" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_destination_rules(tmp_path, capsys):
+    fla_folder_from_reslin(tmp_path / "fla")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("old")
+    common = ["--src", tmp_path / "fla", "--attn-type", "gdn"]
+    code, _, err = run(capsys, *common, "--dst", tmp_path / "out")
+    assert code == 1 and "exists: pass --force" in err and (tmp_path / "out" / "keep.txt").exists()
+    code, _, err = run(capsys, *common, "--dst", tmp_path / "fla" / "inside", "--force")
+    assert code == 1 and "inside the source" in err and not (tmp_path / "fla" / "inside").exists()
+    code, _, err = run(capsys, *common, "--dst", tmp_path, "--force")
+    assert code == 1 and "holds the source" in err
+    code, _, err = run(capsys, *common, "--dst", tmp_path / "out", "--force")
+    assert code == 0 and not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").exists()
+
+
+def test_command_line_entry_point(tmp_path):
+    """`python -m convert` from the repository root: a refusal exits with status 1 and says why."""
+    result = subprocess.run([sys.executable, "-m", "convert", "--src", str(tmp_path / "nowhere"), "--dst",
+                             str(tmp_path / "out"), "--attn-type", "gdn"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 1 and "is neither a folder nor a Hub repo id" in result.stderr
+
+
+@pytest.mark.parametrize("field", ["write_gate_bias", "attention_bias"])
+def test_bias_options_are_checked_and_build_biases(field, tiny_config, reslin):
+    with pytest.raises(ValueError, match=field):
+        tiny_config("hybrid", **{field: "yes"})
+    model = reslin.ResLinForCausalLM(tiny_config("hybrid", **{field: True}))
+    names = {n for n, _ in model.named_parameters()}
+    expected = ({"model.layers.0.attn.b_proj.bias", "model.layers.0.attn.gamma_proj.bias"} if field == "write_gate_bias"
+                else {f"model.layers.1.attn.{n}_proj.bias" for n in "qkv"})
+    assert expected <= names
