@@ -141,7 +141,7 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
     if backend == "triton":
         # The kernel advances states in place: give it copies, never the caller's initial state.
         S, R = (None if x is None else x.clone(memory_format=torch.contiguous_format) for x in (S0, R0))
-        o = _triton_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
+        o = triton_decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, float(clip), scale)
         return o, ((S, R) if output_final_state else None)
     if HV != H:
         q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
@@ -170,7 +170,7 @@ def reslin_decode_step(q, k, v, g, beta, state, gamma=None, gamma_write=None, up
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if backend == "triton":
-        return _triton_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
+        return triton_decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, float(clip), scale)
     o, (S_next, R_next) = reslin_attention(q, k, v, g, beta, gamma, update=update, clip=clip, scale=scale,
                                            initial_state=state, output_final_state=True, backend=backend,
                                            gamma_write=gamma_write)
@@ -196,9 +196,3 @@ def _resolve_backend(backend, q, cu_seqlens, *tensors):
                 "no gradient): use backend='torch' or 'auto' for longer sequences and for training")
     return backend
 
-
-def _triton_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale):
-    pick = lambda x: None if x is None else x[:, 0]  # noqa: E731
-    o = triton_decode_step(pick(q), pick(k), pick(v), pick(g), pick(beta), pick(gamma), pick(gamma_write),
-                           S, R, update, float(clip), scale)
-    return o[:, None]

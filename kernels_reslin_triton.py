@@ -63,15 +63,16 @@ def _decode_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, gamma_w
 
 
 def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale):
-    """One token: q, k [N, H, Dk]; v [N, HV, Dv]; g, beta, gamma, gamma_write [N, HV];
+    """One token: q, k [N, 1, H, Dk]; v [N, 1, HV, Dv]; g, beta, gamma, gamma_write [N, 1, HV];
     S, R [N, HV, Dk, Dv] fp32 contiguous, advanced in place (R None without gamma).
-    Returns o [N, HV, Dv] in v's dtype."""
-    N, H, Dk = q.shape
-    HV, Dv = v.shape[1:]
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    Returns o [N, 1, HV, Dv] in v's dtype. The token axis stays: with T = 1 a contiguous
+    [N, 1, ...] tensor is laid out as [N, ...], and every view made here costs launch time."""
+    N, _, H, Dk = q.shape
+    HV, Dv = v.shape[2:]
+    q, k, v, g, beta = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v, g, beta))
     residual = gamma is not None
     if residual:
-        gamma, gamma_write = gamma.contiguous(), gamma_write.contiguous()
+        gamma, gamma_write = (x if x.is_contiguous() else x.contiguous() for x in (gamma, gamma_write))
     o = torch.empty_like(v)
     BK = triton.next_power_of_2(Dk)
     # Enough programs to fill the GPU at small batches, and state tiles of <= 4K fp32 a program.
