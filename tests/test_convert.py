@@ -26,7 +26,6 @@ from conftest import REPO_ROOT, build_model
 FLA_TOLERANCE = 1e-4  # max |ours - FLA| / max |FLA logits|, fp32
 # FLA's Triton kernels run where the tests run: compiled on a GPU, interpreted on a CPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FLA_GPU_TOLERANCE = 3e-2  # the same in bf16, two different kernel sets
 
 
 def flash_attn_stand_in(q, k, v, causal=True, window_size=(-1, -1), **kwargs):
@@ -141,19 +140,29 @@ def test_gdn_conversion_reproduces_fla(fla, case, tmp_path, capsys, load_remote)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gdn_conversion_reproduces_fla_on_gpu_bf16(fla, tmp_path, capsys, load_remote):
-    """FLA's chunked GPU kernels (T = 200 > 64) against ResLin's, both bf16."""
+    """FLA's chunked GPU kernels (T = 200 > 64) against ResLin's. Reference: the converted model
+    in fp32. FLA in fp32 must agree with it (its chunked path, not only the recurrent one the
+    CPU tests reach), and ResLin in bf16 must be as close to it as FLA in bf16 is: two bf16
+    pipelines of randomised, unnormalised weights differ by more than either's own rounding
+    (measured on the H200: 0.107 of the largest logit between them)."""
+    tokens = torch.randint(96, (2, 200), generator=torch.Generator().manual_seed(1)).cuda()
     for case in ("grouped_v_sharded", "hybrid"):  # hybrid: flash-attn, or the fixture's SDPA stand-in
-        source = make_fla_folder(fla, tmp_path / case, case, dtype=torch.bfloat16).cuda()
+        source = make_fla_folder(fla, tmp_path / case, case).cuda()
         code, _, err = run(capsys, "--src", tmp_path / case, "--dst", tmp_path / f"{case}-reslin",
                            "--attn-type", "gdn")
         assert code == 0, err
-        model = load_remote(tmp_path / f"{case}-reslin", dtype=torch.bfloat16).cuda().eval()
-        tokens = torch.randint(96, (2, 200), generator=torch.Generator().manual_seed(1)).cuda()
+        model = load_remote(tmp_path / f"{case}-reslin", dtype=torch.float32).cuda().eval()
         with torch.no_grad():
-            expected, got = source(tokens).logits.float(), model(tokens).logits.float()
-        error = (got - expected).abs().max() / expected.abs().max()
-        print(f"{case}: bf16 relative error {error:.2e}")
-        assert error <= FLA_GPU_TOLERANCE, f"{case}: relative error {error:.2e}"
+            reference = model(tokens).logits
+            fla_fp32 = source(tokens).logits
+            fla_bf16 = source.bfloat16()(tokens).logits.float()
+            ours_bf16 = model.bfloat16()(tokens).logits.float()
+        scale = reference.abs().max()
+        errors = {name: ((x - reference).abs().max() / scale).item()
+                  for name, x in (("fla_fp32", fla_fp32), ("fla_bf16", fla_bf16), ("ours_bf16", ours_bf16))}
+        print(case, {name: f"{e:.2e}" for name, e in errors.items()})
+        assert errors["fla_fp32"] <= 5e-3, errors  # tf32 inside FLA's chunked kernels
+        assert errors["ours_bf16"] <= 2 * errors["fla_bf16"] + 1e-3, errors
 
 
 def fla_folder_from_reslin(folder, config_overrides=None, state_edit=None, seed=0):
