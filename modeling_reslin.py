@@ -64,13 +64,15 @@ class ResLinShortConvolution(nn.Conv1d):
     """Causal depthwise convolution followed by SiLU; weight [D, 1, K] like FLA's ShortConvolution.
 
     `state` holds the last K - 1 inputs before `x` (zeros at the start of a sequence), so a
-    prefill, a decode step and a prefill continuing from a cache are one code path.
+    prefill, a decode step and a prefill continuing from a cache are one code path. With packed
+    sequences, `positions` [B, T] (each token's index in its own sequence) keeps every window
+    inside its sequence.
     """
 
     def __init__(self, dim, kernel_size):
         super().__init__(dim, dim, kernel_size, groups=dim, bias=False)
 
-    def forward(self, x, state=None):
+    def forward(self, x, state=None, positions=None):
         x = x.transpose(1, 2)  # [B, D, T]
         if state is None:
             state = x.new_zeros(x.shape[0], x.shape[1], self.kernel_size[0] - 1)
@@ -78,7 +80,11 @@ class ResLinShortConvolution(nn.Conv1d):
         # The K taps as K shifted multiply-adds: on a CPU 2-5x faster than F.conv1d's depthwise
         # path at these shapes (measured at K=4, from one decode token to T=2048).
         T, K = x.shape[-1] - state.shape[-1], self.kernel_size[0]
-        y = sum(x[..., i:i + T] * self.weight[:, 0, i, None] for i in range(K))
+        y = 0
+        for i in range(K):
+            tap = x[..., i:i + T] * self.weight[:, 0, i, None]
+            reach = K - 1 - i  # how far back this tap reads
+            y = y + (tap if positions is None or reach == 0 else tap * (positions >= reach)[:, None].to(tap.dtype))
         return F.silu(y).transpose(1, 2), x[..., x.shape[-1] - state.shape[-1]:]
 
 
@@ -124,8 +130,9 @@ class ResLinLinearAttention(nn.Module):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
 
-    def forward(self, x, attention_mask=None, position_ids=None, cache=None):
-        """`attention_mask`: None (no padding) or bool [B, past + T]; `position_ids` is unused."""
+    def forward(self, x, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None):
+        """`attention_mask`: None (no padding) or bool [B, past + T]. `cu_seqlens`: packed
+        sequences in one row, whose `position_ids` then restart at 0 for each sequence."""
         B, T, _ = x.shape
         token_mask = None if attention_mask is None else attention_mask[:, -T:]
         if token_mask is not None:
@@ -134,9 +141,10 @@ class ResLinLinearAttention(nn.Module):
 
         conv_state = cache.conv_states[self.layer_idx] if cache is not None else None
         q_state, k_state, v_state = conv_state if conv_state is not None else (None, None, None)
-        q, q_state = self.q_conv1d(self.q_proj(x), q_state)
-        k, k_state = self.k_conv1d(self.k_proj(x), k_state)
-        v, v_state = self.v_conv1d(self.v_proj(x), v_state)
+        positions = position_ids if cu_seqlens is not None else None
+        q, q_state = self.q_conv1d(self.q_proj(x), q_state, positions)
+        k, k_state = self.k_conv1d(self.k_proj(x), k_state, positions)
+        v, v_state = self.v_conv1d(self.v_proj(x), v_state, positions)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_heads, self.head_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
@@ -170,7 +178,8 @@ class ResLinLinearAttention(nn.Module):
         else:
             o, state = reslin_attention(q, k, v, g, beta, gamma, update=self.update_rule, clip=self.residual_clip,
                                         initial_state=state, output_final_state=cache is not None,
-                                        backend=self.kernel_backend, gamma_write=gamma_write)
+                                        cu_seqlens=cu_seqlens, backend=self.kernel_backend,
+                                        gamma_write=gamma_write)
         if cache is not None:
             cache.conv_states[self.layer_idx] = (q_state, k_state, v_state)
             cache.recurrent_states[self.layer_idx] = state
@@ -208,11 +217,15 @@ class ResLinAttention(nn.Module):
         angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def visibility(self, attention_mask, num_cached, T, device):
-        """Boolean [B or 1, 1, T, num_cached + T] SDPA mask: causal, sliding window, padded keys."""
+    def visibility(self, attention_mask, num_cached, T, device, cu_seqlens=None):
+        """Boolean [B or 1, 1, T, num_cached + T] SDPA mask: causal, sliding window, padded keys,
+        and with packed sequences only the query's own sequence."""
         query = torch.arange(T, device=device)[:, None] + num_cached
         key = torch.arange(num_cached + T, device=device)[None]
         visible = key <= query
+        if cu_seqlens is not None:
+            sequence = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=device), right=True)
+            visible = visible & (sequence[:, None] == sequence[None, :])
         if self.sliding_window is not None:
             visible = visible & (query - key < self.sliding_window)
         visible = visible[None, None]
@@ -222,7 +235,7 @@ class ResLinAttention(nn.Module):
         # its output only ever reaches padded positions, which later layers ignore.
         return visible | ~visible.any(-1, keepdim=True)
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None):
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None):
         B, T, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -233,7 +246,7 @@ class ResLinAttention(nn.Module):
         if cache is not None:
             k, v = cache.update_attention(self.layer_idx, k, v)
         num_cached = k.shape[2] - T
-        mask = self.visibility(attention_mask, num_cached, T, q.device)
+        mask = self.visibility(attention_mask, num_cached, T, q.device, cu_seqlens)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
@@ -261,8 +274,9 @@ class ResLinBlock(GradientCheckpointingLayer):
         self.mlp_norm = ResLinRMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = ResLinMLP(config)
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None):
-        hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), attention_mask, position_ids, cache)
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None):
+        hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), attention_mask, position_ids, cache,
+                                                  cu_seqlens)
         return hidden_states + self.mlp(self.mlp_norm(hidden_states))
 
 
@@ -366,6 +380,12 @@ class ResLinModel(ResLinPreTrainedModel):
             if use_cache or cache is not None:
                 logger.warning_once("A cache is incompatible with gradient checkpointing in training: not using one.")
             use_cache, cache = False, None
+        cu_seqlens = packed_sequences(position_ids, kwargs.get("cu_seq_lens_q"), B, T)
+        if cu_seqlens is not None:
+            # Several sequences in one row: their final states are not a batch a cache could continue.
+            if cache is not None:
+                raise ValueError("packed sequences (position_ids restarting at 0, or cu_seq_lens_q) cannot use a cache")
+            use_cache = False
         if cache is not None:
             cache.check_compatible(self.config, B)
         elif use_cache:
@@ -374,6 +394,8 @@ class ResLinModel(ResLinPreTrainedModel):
 
         if attention_mask is not None:
             attention_mask = check_attention_mask(attention_mask, B, past + T)
+            if attention_mask is not None and cu_seqlens is not None:
+                raise ValueError("packed sequences take no padding: pass an all-ones attention_mask or none")
         if position_ids is None and "full_attention" in self.config.layer_types:
             if attention_mask is not None:
                 # Count only real tokens, so RoPE matches the unpadded sequence.
@@ -384,7 +406,7 @@ class ResLinModel(ResLinPreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, attention_mask, position_ids, cache=cache)
+            hidden_states = layer(hidden_states, attention_mask, position_ids, cache=cache, cu_seqlens=cu_seqlens)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
@@ -396,6 +418,24 @@ class ResLinModel(ResLinPreTrainedModel):
         output = BaseModelOutputWithPast(last_hidden_state=hidden_states, hidden_states=all_hidden_states,
                                          **{CACHE_FIELD: cache})
         return output if return_dict else output.to_tuple()
+
+
+def packed_sequences(position_ids, cu_seq_lens_q, batch_size, length):
+    """cu_seqlens [N + 1] of packed sequences in one row, or None. transformers' padding-free
+    collator (DataCollatorWithFlattening) marks them by position_ids that restart at 0 and, with
+    return_flash_attn_kwargs=True, also passes cu_seq_lens_q."""
+    if cu_seq_lens_q is None:
+        if position_ids is None or batch_size != 1:
+            return None
+        starts = (position_ids[0] == 0).nonzero().flatten()
+        if len(starts) < 2 or starts[0] != 0:
+            return None
+        cu_seq_lens_q = torch.cat([starts, starts.new_tensor([length])])
+    if batch_size != 1:
+        raise ValueError(f"packed sequences come in one row (batch size 1), got batch size {batch_size}")
+    if position_ids is None:
+        raise ValueError("packed sequences need position_ids that restart at 0 for each sequence")
+    return cu_seq_lens_q.to(device=position_ids.device, dtype=torch.long)
 
 
 def resolve_cache_keyword(cache, past_key_values):

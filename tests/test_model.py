@@ -330,3 +330,49 @@ def test_rkla_stays_finite_with_large_keys(tiny_model):
     model = tiny_model("rkla", initializer_range=0.5)
     logits = model(torch.randint(1, 100, (2, 64))).logits
     assert torch.isfinite(logits).all()
+
+
+PACKED_LENGTHS = [5, 1, 9, 4]  # a one-token sequence, and sequences shorter than the conv window
+
+
+@torch.no_grad()
+def test_packed_sequences_equal_each_sequence_alone(tiny_model, mixer):
+    """One row of packed sequences (position_ids restarting at 0, or cu_seq_lens_q) gives each
+    sequence's logits alone: no state, conv window or attention crosses a boundary (fp32, 1e-5)."""
+    model = tiny_model(mixer)
+    rows = [torch.randint(1, 100, (n,)) for n in PACKED_LENGTHS]
+    ids = torch.cat(rows)[None]
+    position_ids = torch.cat([torch.arange(n) for n in PACKED_LENGTHS])[None]
+    alone = torch.cat([model(row[None]).logits[0] for row in rows])
+    torch.testing.assert_close(model(ids, position_ids=position_ids).logits[0], alone, rtol=0, atol=1e-5)
+    cu = torch.tensor([0] + PACKED_LENGTHS).cumsum(0)
+    torch.testing.assert_close(model(ids, position_ids=position_ids, cu_seq_lens_q=cu).logits[0], alone,
+                               rtol=0, atol=1e-5)
+
+
+def test_padding_free_collator_trains_on_packed_sequences(tiny_model):
+    """transformers' DataCollatorWithFlattening: the packed loss is the token-weighted mean of the
+    sequences' own losses, and its gradients are theirs."""
+    from transformers import DataCollatorWithFlattening
+
+    rows = [torch.randint(1, 100, (n,)) for n in (6, 3, 8)]
+    batch = DataCollatorWithFlattening(return_position_ids=True)([{"input_ids": r.tolist()} for r in rows])
+    model = tiny_model("hybrid").train()
+    model(**batch).loss.backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    total = sum(len(r) - 1 for r in rows)
+    sum(model(r[None], labels=r[None]).loss * (len(r) - 1) / total for r in rows).backward()
+    for packed, separate in zip(packed_grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_sequences_refuse_a_cache_and_padding(tiny_model, reslin):
+    model = tiny_model("rdn")
+    ids = torch.randint(1, 100, (1, 6))
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    with pytest.raises(ValueError, match="cannot use a cache"):
+        model(ids, position_ids=position_ids, cache=reslin.ResLinCache(model.config, 1))
+    with pytest.raises(ValueError, match="no padding"):
+        model(ids, position_ids=position_ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
+    assert model(ids, position_ids=position_ids).past_key_values is None
