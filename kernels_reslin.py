@@ -30,11 +30,13 @@ except ImportError:
     from kernels_reslin_torch import chunk_reslin, recurrent_reslin
 try:
     try:
+        from .kernels_reslin_triton import chunk_forward as triton_chunk_forward
         from .kernels_reslin_triton import decode_step as triton_decode_step
     except ImportError:
+        from kernels_reslin_triton import chunk_forward as triton_chunk_forward
         from kernels_reslin_triton import decode_step as triton_decode_step
 except ImportError:  # no Triton installed: the "torch" backend serves everywhere
-    triton_decode_step = None
+    triton_chunk_forward = triton_decode_step = None
 
 UPDATE_RULES = ("delta", "additive")
 BACKENDS = ("auto", "torch", "triton", "recurrent")
@@ -138,10 +140,14 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
     S0 = zeros() if S0 is None else S0.float()
     R0 = None if gamma is None else (zeros() if R0 is None else R0.float())
 
-    if backend == "triton":
+    if backend == "triton" and T == 1 and cu_seqlens is None:
         # The kernel advances states in place: give it copies, never the caller's initial state.
         S, R = (None if x is None else x.clone(memory_format=torch.contiguous_format) for x in (S0, R0))
         o = triton_decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, float(clip), scale)
+        return o, ((S, R) if output_final_state else None)
+    if backend == "triton":
+        o, S, R = triton_chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, float(clip), scale, S0, R0,
+                                       cu_seqlens)
         return o, ((S, R) if output_final_state else None)
     if HV != H:
         q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
@@ -184,15 +190,16 @@ def _resolve_backend(backend, q, cu_seqlens, *tensors):
     """The concrete backend for this call: "auto" takes Triton where a Triton kernel applies.
     ``tensors``: every input and state, to tell whether autograd needs a backward."""
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-    applies = q.shape[1] == 1 and cu_seqlens is None and not needs_grad
     if backend == "auto":
-        return "triton" if triton_decode_step is not None and q.is_cuda and applies else "torch"
+        # The chunked Triton forward is tested in the interpreter only so far: "auto" takes it once
+        # it has been checked on a GPU; until then it takes the decode kernel alone.
+        decode = q.shape[1] == 1 and cu_seqlens is None
+        return "triton" if triton_decode_step is not None and q.is_cuda and decode and not needs_grad else "torch"
     if backend == "triton":
         if triton_decode_step is None:
             raise ImportError("backend='triton' needs the triton package: install it, or use backend='torch'")
-        if not applies:
-            raise NotImplementedError(
-                "the Triton backend has only its one-token decode kernel so far (T = 1, no cu_seqlens, "
-                "no gradient): use backend='torch' or 'auto' for longer sequences and for training")
+        if needs_grad:
+            raise NotImplementedError("the Triton backend has no backward yet (no gradient): use backend='torch' "
+                                      "or 'auto' for training")
     return backend
 

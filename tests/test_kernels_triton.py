@@ -61,15 +61,41 @@ def test_triton_backend_leaves_the_initial_state_alone(name, update, residual, k
     assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
 
 
-def test_triton_backend_refuses_what_it_cannot_do_yet():
+def test_triton_backend_refuses_gradients_until_it_has_a_backward():
     x = on_device(make_inputs(1, 4, 1, 1, 16, 16, residual=False, requires_grad=True))
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    with pytest.raises(NotImplementedError, match="one-token decode kernel"):
-        reslin_attention(*args, backend="triton")
-    with pytest.raises(NotImplementedError, match="no gradient"):
-        reslin_attention(*(a[:, :1] for a in args), backend="triton")
-    with torch.no_grad():
-        reslin_attention(*(a[:, :1] for a in args), backend="triton")
+    for length in (1, 4):
+        with pytest.raises(NotImplementedError, match="no backward yet"):
+            reslin_attention(*(a[:, :length] for a in args), backend="triton")
+        with torch.no_grad():
+            reslin_attention(*(a[:, :length] for a in args), backend="triton")
+
+
+# (B, T, H, HV, Dk, Dv, sequence lengths or None): T not a multiple of the chunk (64), grouped value
+# heads, Dk != Dv, sizes that are not powers of two; and packed sequences of 1, 69, 5 and 75 tokens.
+CHUNK_CASES = [(2, 70, 2, 4, 16, 24, None), (1, 150, 1, 2, 12, 8, [1, 69, 5, 75])]
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=["batch", "varlen"])
+@pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
+def test_chunked_forward_matches_reference(name, update, residual, kaczmarz, case):
+    B, T, H, HV, Dk, Dv, lengths = case
+    x = on_device(make_inputs(B, T, H, HV, Dk, Dv, residual, kaczmarz=kaczmarz))
+    cu_seqlens = None
+    if lengths is not None:
+        cu_seqlens = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+        for n in ("S0", "R0"):  # one initial state a sequence
+            x[n] = None if x[n] is None else torch.randn(len(lengths), *x[n].shape[1:], device=DEVICE) * 0.3
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "gamma")]
+    results = {}
+    for backend in ("recurrent", "triton"):
+        with torch.no_grad():
+            o, (S, R) = reslin_attention(*args, update=update, initial_state=(x["S0"], x["R0"]),
+                                         output_final_state=True, cu_seqlens=cu_seqlens, backend=backend,
+                                         gamma_write=x["gamma_write"])
+        results[backend] = [o, S] + ([R] if residual else [])
+    for label, got, ref in zip(("o", "S", "R"), results["triton"], results["recurrent"]):
+        assert rel_err(got, ref) < 1e-5, f"{label}: {rel_err(got, ref):.2e}"
 
 
 def test_decode_step_checks_its_state():
