@@ -16,10 +16,13 @@ with a_t = exp(g_t). KLA is the delta rule with b_t = eta_t / (||k_t||^2 + eps),
 the caller. RKLA gives its residual state the Kaczmarz step too: it writes R with
 gamma_write = gamma_t / (||k_t||^2 + eps) and reads it with gamma_t (see reslin_attention).
 Backends: "recurrent" (per-token fp32 reference), "torch" (chunked, fp32 accumulation),
-"triton" (so far the one-token decode kernel, forward only), "auto" (Triton where it applies:
-CUDA, one token, no gradient; "torch" elsewhere). ``reslin_decode_step`` advances a
+"triton" (forward only: the one-token decode kernel and the chunked forward), "auto" (Triton
+where it applies and has been checked on a GPU: CUDA, one token, no gradient; "torch"
+elsewhere). ``reslin_decode_step`` advances a
 generation cache's states in place by one token.
 """
+
+import os
 
 import torch
 
@@ -198,6 +201,9 @@ def _resolve_backend(backend, q, cu_seqlens, *tensors):
     if backend == "triton":
         if triton_decode_step is None:
             raise ImportError("backend='triton' needs the triton package: install it, or use backend='torch'")
+        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"backend='triton' runs on CUDA tensors (or in Triton's interpreter, "
+                             f"TRITON_INTERPRET=1), got tensors on {q.device}")
         if needs_grad:
             raise NotImplementedError("the Triton backend has no backward yet (no gradient): use backend='torch' "
                                       "or 'auto' for training")

@@ -98,6 +98,13 @@ def test_chunked_forward_matches_reference(name, update, residual, kaczmarz, cas
         assert rel_err(got, ref) < 1e-5, f"{label}: {rel_err(got, ref):.2e}"
 
 
+def test_triton_backend_names_the_device_it_needs(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = make_inputs(1, 4, 1, 1, 16, 16, residual=False)
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        reslin_attention(*(x[n] for n in ("q", "k", "v", "g", "beta")), backend="triton")
+
+
 def test_decode_step_checks_its_state():
     x = make_inputs(1, 1, 1, 1, 8, 8, residual=True)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
