@@ -380,22 +380,23 @@ class ResLinModel(ResLinPreTrainedModel):
             if use_cache or cache is not None:
                 logger.warning_once("A cache is incompatible with gradient checkpointing in training: not using one.")
             use_cache, cache = False, None
-        cu_seqlens = packed_sequences(position_ids, kwargs.get("cu_seq_lens_q"), B, T)
-        if cu_seqlens is not None:
-            # Several sequences in one row: their final states are not a batch a cache could continue.
-            if cache is not None:
-                raise ValueError("packed sequences (position_ids restarting at 0, or cu_seq_lens_q) cannot use a cache")
-            use_cache = False
         if cache is not None:
             cache.check_compatible(self.config, B)
-        elif use_cache:
-            cache = ResLinCache(self.config, B)
         past = cache.get_seq_length() if cache is not None else 0
-
         if attention_mask is not None:
             attention_mask = check_attention_mask(attention_mask, B, past + T)
-            if attention_mask is not None and cu_seqlens is not None:
+        # position_ids restarting at 0 mean packed sequences only in a fresh, unpadded row: with
+        # padding or a cache they are positions of one sequence.
+        cu_seqlens = packed_sequences(position_ids, kwargs.get("cu_seq_lens_q"), B, T,
+                                      detect=cache is None and attention_mask is None)
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise ValueError("packed sequences (position_ids restarting at 0, or cu_seq_lens_q) cannot use a cache")
+            if attention_mask is not None:
                 raise ValueError("packed sequences take no padding: pass an all-ones attention_mask or none")
+            use_cache = False  # their final states are not a batch a cache could continue
+        if cache is None and use_cache:
+            cache = ResLinCache(self.config, B)
         if position_ids is None and "full_attention" in self.config.layer_types:
             if attention_mask is not None:
                 # Count only real tokens, so RoPE matches the unpadded sequence.
@@ -420,12 +421,12 @@ class ResLinModel(ResLinPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
-def packed_sequences(position_ids, cu_seq_lens_q, batch_size, length):
+def packed_sequences(position_ids, cu_seq_lens_q, batch_size, length, detect):
     """cu_seqlens [N + 1] of packed sequences in one row, or None. transformers' padding-free
-    collator (DataCollatorWithFlattening) marks them by position_ids that restart at 0 and, with
-    return_flash_attn_kwargs=True, also passes cu_seq_lens_q."""
+    collator (DataCollatorWithFlattening) marks them by position_ids that restart at 0 (looked
+    for when `detect`) and, with return_flash_attn_kwargs=True, also passes cu_seq_lens_q."""
     if cu_seq_lens_q is None:
-        if position_ids is None or batch_size != 1:
+        if not detect or position_ids is None or batch_size != 1:
             return None
         starts = (position_ids[0] == 0).nonzero().flatten()
         if len(starts) < 2 or starts[0] != 0:
@@ -491,6 +492,7 @@ class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            **kwargs,  # e.g. cu_seq_lens_q of transformers' padding-free collator
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

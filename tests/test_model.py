@@ -370,9 +370,22 @@ def test_padding_free_collator_trains_on_packed_sequences(tiny_model):
 def test_packed_sequences_refuse_a_cache_and_padding(tiny_model, reslin):
     model = tiny_model("rdn")
     ids = torch.randint(1, 100, (1, 6))
-    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    packed = dict(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), cu_seq_lens_q=torch.tensor([0, 3, 6]))
     with pytest.raises(ValueError, match="cannot use a cache"):
-        model(ids, position_ids=position_ids, cache=reslin.ResLinCache(model.config, 1))
+        model(ids, cache=reslin.ResLinCache(model.config, 1), **packed)
     with pytest.raises(ValueError, match="no padding"):
-        model(ids, position_ids=position_ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
-    assert model(ids, position_ids=position_ids).past_key_values is None
+        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]), **packed)
+    assert model(ids, **packed).past_key_values is None
+
+
+@torch.no_grad()
+def test_padded_single_row_is_not_taken_for_packed_sequences(tiny_model, make_left_padded):
+    """position_ids with repeated zeros in a padded row (how pads are often numbered) are one
+    sequence's positions, not packing: the row equals the unpadded sequence."""
+    model = tiny_model("hybrid")
+    row = torch.randint(1, 100, (5,))
+    ids, mask = make_left_padded([row, torch.randint(1, 100, (8,))])
+    ids, mask = ids[:1], mask[:1]
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(ids, attention_mask=mask, position_ids=position_ids).logits[0, -5:]
+    torch.testing.assert_close(logits, model(row[None]).logits[0], rtol=0, atol=1e-5)
