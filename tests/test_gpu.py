@@ -113,7 +113,12 @@ def test_triton_chunked_forward_bf16_at_real_sizes(name, update, residual, kaczm
     sequence (64-bit offsets), against the fp32 reference (the chunked torch backend, itself
     checked against the per-token one above): relative error <= 5e-3 for outputs and final
     states; fresh outputs NaN-filled so that an element never written shows."""
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: torch.full(a if len(a) > 1 else a[0], float("nan"), **kw))
+    real_empty = torch.empty
+
+    def nan_filled(*size, **kwargs):
+        return real_empty(*size, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(torch, "empty", nan_filled)
     x = to_cuda(make_inputs(B, T, 16, 16, 128, 128, residual, kaczmarz=kaczmarz), torch.bfloat16)
     args = [None if x[n] is None else x[n].detach() for n in ("q", "k", "v", "g", "beta", "gamma")]
     kwargs = dict(update=update, initial_state=(x["S0"].detach(), None if x["R0"] is None else x["R0"].detach()),
