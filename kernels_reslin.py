@@ -131,32 +131,18 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
     _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend)
     backend = _resolve_backend(backend, q, cu_seqlens, q, k, v, g, beta, gamma, gamma_write,
                                *(initial_state or ()))
-    if gamma is not None and gamma_write is None:
-        gamma_write = gamma
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if scale is None:
-        scale = Dk ** -0.5
     S0, R0 = initial_state if initial_state is not None else (None, None)
     zeros = lambda: q.new_zeros(N, HV, Dk, Dv, dtype=torch.float32)  # noqa: E731
     S0 = zeros() if S0 is None else S0.float()
     R0 = None if gamma is None else (zeros() if R0 is None else R0.float())
-
     if backend == "triton" and T == 1 and cu_seqlens is None:
-        # The kernel advances states in place: give it copies, never the caller's initial state.
-        S, R = (None if x is None else x.clone(memory_format=torch.contiguous_format) for x in (S0, R0))
-        o = triton_decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, float(clip), scale)
-        return o, ((S, R) if output_final_state else None)
-    if backend == "triton":
-        o, S, R = triton_chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, float(clip), scale, S0, R0,
-                                       cu_seqlens)
-        return o, ((S, R) if output_final_state else None)
-    if HV != H:
-        q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
-    run = recurrent_reslin if backend == "recurrent" else chunk_reslin
-    o, S, R = run(q, k, v, g, beta, gamma, gamma_write, update, float(clip), scale, S0, R0, cu_seqlens)
-    return o.to(v.dtype), ((S, R) if output_final_state else None)
+        # The decode kernel advances states in place: give it copies, never the caller's state.
+        S0, R0 = (None if x is None else x.clone(memory_format=torch.contiguous_format) for x in (S0, R0))
+    o, S, R = _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens)
+    return o, ((S, R) if output_final_state else None)
 
 
 def reslin_decode_step(q, k, v, g, beta, state, gamma=None, gamma_write=None, update="delta", clip=1.0,
@@ -174,19 +160,34 @@ def reslin_decode_step(q, k, v, g, beta, state, gamma=None, gamma_write=None, up
         if x is not None and (x.dtype != torch.float32 or not x.is_contiguous()):
             raise ValueError(f"state {name} must be a contiguous fp32 tensor, got {x.dtype}")
     backend = _resolve_backend(backend, q, None, q, k, v, g, beta, gamma, gamma_write, S, R)
+    o, S_next, R_next = _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S, R, None)
+    if S_next is not S:  # the torch backends return new states; the Triton kernel wrote in place
+        S.copy_(S_next)
+        if R is not None:
+            R.copy_(R_next)
+    return o
+
+
+def _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens):
+    """Checked inputs, a concrete backend and fp32 states (the decode kernel advances them in
+    place). Returns (o in v's dtype, S, R)."""
+    H, Dk = q.shape[2:]
+    HV = v.shape[2]
     if gamma is not None and gamma_write is None:
         gamma_write = gamma
     if scale is None:
-        scale = q.shape[-1] ** -0.5
+        scale = Dk ** -0.5
+    if backend == "triton" and q.shape[1] == 1 and cu_seqlens is None:
+        o = triton_decode_step(q, k, v, g, beta, gamma, gamma_write, S0, R0, update, float(clip), scale)
+        return o, S0, R0
     if backend == "triton":
-        return triton_decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, float(clip), scale)
-    o, (S_next, R_next) = reslin_attention(q, k, v, g, beta, gamma, update=update, clip=clip, scale=scale,
-                                           initial_state=state, output_final_state=True, backend=backend,
-                                           gamma_write=gamma_write)
-    S.copy_(S_next)
-    if R is not None:
-        R.copy_(R_next)
-    return o
+        return triton_chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, float(clip), scale, S0, R0,
+                                    cu_seqlens)
+    if HV != H:
+        q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
+    run = recurrent_reslin if backend == "recurrent" else chunk_reslin
+    o, S, R = run(q, k, v, g, beta, gamma, gamma_write, update, float(clip), scale, S0, R0, cu_seqlens)
+    return o.to(v.dtype), S, R
 
 
 def _resolve_backend(backend, q, cu_seqlens, *tensors):
