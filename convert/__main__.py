@@ -16,6 +16,8 @@ def main(argv=None):
         description="Convert a Gated DeltaNet checkpoint (FLA or NVlabs lit_gpt) into a ResLin model folder.")
     parser.add_argument("--src", required=True,
                         help="FLA: a checkpoint folder or a Hub repo id; lit_gpt: a checkpoint file or a folder holding one")
+    parser.add_argument("--revision", help="FLA from the Hub only: a branch, tag or commit hash (default: the "
+                        "repository's default branch)")
     parser.add_argument("--dst", required=True, help="the ResLin folder to write (must not exist unless --force)")
     parser.add_argument("--attn-type", required=True, choices=("gdn", "kla", "rdn", "rkla"),
                         help="gdn reproduces the source; kla, rdn and rkla upcycle it (then fine-tune)")
@@ -30,11 +32,13 @@ def main(argv=None):
     if args.layout == "litgpt":
         if args.litgpt_config is None:
             parser.error("--layout litgpt needs --litgpt-config (lit_gpt checkpoints carry no config.json)")
+        if args.revision is not None:
+            parser.error("--revision is for Hub repo ids; lit_gpt checkpoints are read from local files")
         layout = LitGPTLayout(args.litgpt_config)
     else:
         if args.litgpt_config is not None:
             parser.error("--litgpt-config is only for --layout litgpt")
-        layout = FLALayout()
+        layout = FLALayout(revision=args.revision)
     try:
         convert(args.src, args.dst, args.attn_type, layout, dtype=args.dtype, max_shard_size=args.max_shard_size,
                 force=args.force, probe=not args.no_probe)

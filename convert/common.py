@@ -1,4 +1,5 @@
-"""What every source layout shares: reading weights, checks, writing the ResLin folder, the probe.
+"""What every source layout shares: fetching from the Hub, reading weights, checks, writing the
+ResLin folder, the probe.
 
 A conversion never holds the model twice: tensors stream from one source file at a time into
 safetensors shards of at most `max_shard_size` bytes, each written as soon as it is full. The
@@ -64,12 +65,27 @@ def iter_tensors(path):
         yield name, tensor
 
 
+# A transformers-style folder's weights, in the order transformers prefers them: (index, single file).
+WEIGHT_FORMATS = (("model.safetensors.index.json", "model.safetensors"),
+                  ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+# What a conversion reads from a Hub repository besides the weights: exact top-level names, so that
+# no checkpoint-*/ folder, optimizer state, training_args.bin or README is fetched.
+HUB_SMALL_FILES = ("config.json", *TOKENIZER_FILES, *(index for index, _ in WEIGHT_FORMATS))
+
+
+def index_shards(path):
+    """The shard file names an index's weight_map lists, sorted, each once."""
+    weight_map = read_json(path).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConversionError(f"{path} has no weight_map of tensor name -> shard file name")
+    return sorted(set(weight_map.values()))
+
+
 def hf_weight_files(folder):
     """The weight files of a transformers-style folder, shards in order."""
-    for index_name, single_name in (("model.safetensors.index.json", "model.safetensors"),
-                                    ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+    for index_name, single_name in WEIGHT_FORMATS:
         if (folder / index_name).is_file():
-            shards = sorted(set(read_json(folder / index_name)["weight_map"].values()))
+            shards = index_shards(folder / index_name)
             missing = [s for s in shards if not (folder / s).is_file()]
             if missing:
                 raise ConversionError(f"{index_name} lists shards that are not in {folder}: {missing}")
@@ -116,19 +132,68 @@ class ShardWriter:
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def resolve_hf_source(src):
-    """A local folder as it is; anything else is taken for a Hub repo id and downloaded."""
+def resolve_hf_source(src, revision=None):
+    """A local folder as it is; anything else of the form owner/name is a Hub repo id, fetched."""
     path = Path(src)
     if path.is_dir():
+        if revision is not None:
+            raise ConversionError(f"--revision is for Hub repo ids, but --src {src} is a local folder")
         return path.resolve()
-    if path.exists() or src.startswith((".", "/")) or src.count("/") != 1:
+    if path.exists() or src.startswith((".", "/", "~")) or src.count("/") != 1:
         raise ConversionError(f"--src {src!r} is neither a folder nor a Hub repo id (owner/name)")
+    return fetch_from_hub(src, revision)
+
+
+def fetch_from_hub(repo_id, revision=None):
+    """The snapshot folder of `repo_id` in huggingface_hub's cache, holding what a conversion reads.
+
+    First the small files (HUB_SMALL_FILES), which also fixes the commit; then, from that same
+    commit, one weight format: the safetensors (the shards its index lists) when the repository
+    has them, else the .bin files. With HF_HUB_OFFLINE=1, or without a connection, huggingface_hub
+    answers from its cache."""
     from huggingface_hub import snapshot_download
+
+    where = repr(repo_id) + (f" (revision {revision!r})" if revision is not None else "")
     try:
-        return Path(snapshot_download(src, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.model", "*.txt",
-                                                            "*.jinja"]))
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_SMALL_FILES)))
+        commit = folder.name  # .../snapshots/<commit hash>
+        weights = hub_weight_names(repo_id, commit, folder)
+        if weights:
+            snapshot_download(repo_id, revision=commit, allow_patterns=weights)
+    except ConversionError as error:
+        raise ConversionError(f"Hub repo {where}: {error}") from None
     except Exception as error:
-        raise ConversionError(f"cannot fetch {src!r} from the Hub: {error}") from None
+        raise ConversionError(f"--src {where} is not a local folder, and fetching it from the Hugging Face Hub "
+                              f"failed: {type(error).__name__}: {error}") from None
+    print(f"Hub repo {where}: commit {commit}, {folder}")
+    return folder
+
+
+def hub_weight_names(repo_id, commit, folder):
+    """The weight files to fetch: one format, chosen in hf_weight_files' order from the repository's file list."""
+    names = repo_file_names(repo_id, commit, folder)
+    for index_name, single_name in WEIGHT_FORMATS:
+        if index_name in names and (folder / index_name).is_file():
+            return index_shards(folder / index_name)
+        if single_name in names:
+            return [single_name]
+    return []  # hf_weight_files then says what is missing
+
+
+def repo_file_names(repo_id, commit, folder):
+    """The repository's file names at `commit`: the listing huggingface_hub cached with the first
+    download (recent versions), else the Hub's; offline without a cached listing, what the cached
+    snapshot holds."""
+    import huggingface_hub
+
+    try:
+        return {f.path for f in huggingface_hub.get_cached_repo_tree(repo_id, revision=commit)}
+    except Exception:  # an older huggingface_hub, or no listing cached
+        pass
+    try:
+        return set(huggingface_hub.HfApi().list_repo_files(repo_id, revision=commit))
+    except Exception:  # offline
+        return {p.name for p in folder.iterdir()}
 
 
 def check_destination(src, dst, force):

@@ -38,11 +38,12 @@ SHARED_NAME = re.compile(
 class FLALayout:
     name = "FLA GatedDeltaNet"
 
-    def __init__(self):
+    def __init__(self, revision=None):
+        self.revision = revision  # Hub repo ids only: a branch, tag or commit
         self.tie_word_embeddings = False
 
     def resolve_source(self, src):
-        return resolve_hf_source(src)
+        return resolve_hf_source(src, self.revision)
 
     def weight_files(self, src):
         return hf_weight_files(src)
