@@ -13,19 +13,12 @@ Goals (issue "Bundled Triton kernels for inference"): >= 60% of copy bandwidth a
 """
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kernels_reslin import reslin_decode_step  # noqa: E402
-
-RULES = {  # name: (update, residual, kaczmarz)
-    "sgla": ("additive", False, False), "gdn": ("delta", False, False), "kla": ("delta", False, True),
-    "rla": ("additive", True, False), "rdn": ("delta", True, False), "rkla": ("delta", True, True),
-}
+from common import RULES, import_fla, print_header, rule_inputs
+from kernels_reslin import reslin_decode_step
 
 
 def copy_bandwidth(gib=2):
@@ -46,20 +39,6 @@ def per_call(fn, steps):
     return (time.perf_counter() - start) / steps
 
 
-def step_inputs(B, H, D, residual, kaczmarz):
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    q = torch.nn.functional.normalize(torch.randn(B, 1, H, D, **bf16), dim=-1)
-    k = torch.randn(B, 1, H, D, **bf16)
-    beta = torch.rand(B, 1, H, device="cuda")
-    if kaczmarz:
-        beta = beta / (k.float().pow(2).sum(-1) + 1e-6)
-    else:
-        k = torch.nn.functional.normalize(k, dim=-1)
-    return dict(q=q, k=k, v=torch.randn(B, 1, H, D, **bf16), beta=beta,
-                g=-torch.rand(B, 1, H, device="cuda"),
-                gamma=torch.rand(B, 1, H, device="cuda") if residual else None)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, default=16)
@@ -67,26 +46,23 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     args = parser.parse_args()
-    try:
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-    except ImportError:
-        fused_recurrent_gated_delta_rule = None
+    fla = import_fla()
     H, D = args.heads, args.dim
     copy_bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, H={H} Dk=Dv={D}, bf16 inputs, "
-          f"fp32 states; copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
+    print_header(f"decode step, H={H} Dk=Dv={D}, bf16 inputs, fp32 states; copy bandwidth "
+                 f"{copy_bw / 1e12:.2f} TB/s (read + write)")
     print(f"{'rule':5} {'B':>3} {'us/step':>8} {'TB/s':>6} {'% copy':>7}   {'FLA us':>7} {'FLA % copy':>10}")
-    for name, (update, residual, kaczmarz) in RULES.items():
+    for name, (_, residual, _) in RULES.items():
         for B in args.batches:
-            x = step_inputs(B, H, D, residual, kaczmarz)
+            x = rule_inputs(name, B, 1, H, D)
             shape = (B, H, D, D)
             state = (torch.randn(shape, device="cuda") * 0.1, torch.randn(shape, device="cuda") * 0.1 if residual else None)
-            seconds = per_call(lambda: reslin_decode_step(**x, state=state, update=update), args.steps)
+            seconds = per_call(lambda: reslin_decode_step(**x, state=state), args.steps)
             state_bytes = 2 * (2 if residual else 1) * B * H * D * D * 4
             line = (f"{name:5} {B:3d} {seconds * 1e6:8.1f} {state_bytes / seconds / 1e12:6.2f} "
                     f"{100 * state_bytes / seconds / copy_bw:6.1f}%")
-            if name == "gdn" and fused_recurrent_gated_delta_rule is not None:
-                fla_seconds = per_call(lambda: fused_recurrent_gated_delta_rule(
+            if name == "gdn" and fla is not None:
+                fla_seconds = per_call(lambda: fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule(
                     x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=state[0],
                     output_final_state=True), args.steps)
                 line += f"   {fla_seconds * 1e6:7.1f} {100 * state_bytes / fla_seconds / copy_bw:9.1f}%"

@@ -1,0 +1,110 @@
+"""What the benchmarks share: the rules' inputs as the model builds them, timing, the header.
+
+Importing this module puts the repository root on sys.path (so `from kernels_reslin import ...`
+works) and, without a GPU, sets TRITON_INTERPRET=1 before Triton is imported, so that the
+`--smoke` runs exercise our Triton kernels in Triton's CPU interpreter. The interpreter computes
+bf16 wrongly without an error, hence DTYPE is fp32 there.
+"""
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+RULES = {  # name: (update, residual, kaczmarz)
+    "sgla": ("additive", False, False), "gdn": ("delta", False, False), "kla": ("delta", False, True),
+    "rla": ("additive", True, False), "rdn": ("delta", True, False), "rkla": ("delta", True, True),
+}
+KACZMARZ_EPS = 1e-6  # ResLinConfig.kaczmarz_eps's default
+
+
+def rule_inputs(rule, B, T, H, D, device=DEVICE, dtype=DTYPE):
+    """Keyword arguments of reslin_attention / reslin_decode_step for `rule`, shaped and scaled
+    as ResLinLinearAttention builds them: q always L2-normalised; k L2-normalised except for the
+    Kaczmarz rules, whose raw keys take beta = eta / (||k||^2 + eps) and, for RKLA, the residual
+    write gamma_write = gamma / (||k||^2 + eps); g <= 0, beta, eta and gamma in [0, 1] in fp32."""
+    update, residual, kaczmarz = RULES[rule]
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=device, dtype=dtype), dim=-1)
+    k = torch.randn(B, T, H, D, device=device, dtype=dtype)
+    beta = torch.rand(B, T, H, device=device)
+    gamma = torch.rand(B, T, H, device=device) if residual else None
+    gamma_write = None
+    if kaczmarz:
+        key_norm2 = k.float().pow(2).sum(-1) + KACZMARZ_EPS
+        beta = beta / key_norm2
+        gamma_write = gamma / key_norm2 if residual else None
+    else:
+        k = torch.nn.functional.normalize(k, dim=-1)
+    return dict(q=q, k=k, v=torch.randn(B, T, H, D, device=device, dtype=dtype),
+                g=-torch.rand(B, T, H, device=device), beta=beta, gamma=gamma, gamma_write=gamma_write,
+                update=update)
+
+
+def import_fla():
+    """The `fla` package, or None: on a CPU (its kernels would only run interpreted, far too slowly
+    to compare with) or where it is not installed."""
+    if DEVICE != "cuda":
+        return None
+    try:
+        import fla
+        import fla.ops.gated_delta_rule  # noqa: F401
+        import fla.ops.simple_gla  # noqa: F401
+    except ImportError:
+        return None
+    return fla
+
+
+def print_header(what):
+    """One line naming the device and the versions, so that results are read with their setting."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    fla = import_fla()
+    if fla is not None:
+        fla_text = f"FLA {fla.__version__}"
+    elif DEVICE == "cpu":
+        fla_text = "FLA skipped on the CPU: ours only"
+    else:
+        fla_text = "FLA not importable: ours only"
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter, fp32)"
+    print(f"{what}\n{device}, torch {torch.__version__}, triton {triton_version}, {fla_text}")
+
+
+def synchronize():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, repeats=10, warmup=2):
+    """Median time of one call in ms after `warmup` calls (the first compile and autotune). On a
+    GPU each call is timed by CUDA events, queued back to back, so the host's time is hidden
+    wherever the GPU is the slower side; on the CPU by the wall clock."""
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    if DEVICE != "cuda":
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
