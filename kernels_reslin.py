@@ -16,10 +16,9 @@ with a_t = exp(g_t). KLA is the delta rule with b_t = eta_t / (||k_t||^2 + eps),
 the caller. RKLA gives its residual state the Kaczmarz step too: it writes R with
 gamma_write = gamma_t / (||k_t||^2 + eps) and reads it with gamma_t (see reslin_attention).
 Backends: "recurrent" (per-token fp32 reference), "torch" (chunked, fp32 accumulation),
-"triton" (forward only: the one-token decode kernel and the chunked forward), "auto" (Triton
-where it applies and has been checked on a GPU: CUDA, one token, no gradient; "torch"
-elsewhere). ``reslin_decode_step`` advances a
-generation cache's states in place by one token.
+"triton" (forward only: the one-token decode kernel, and the chunked forward for head sizes
+that are multiples of 16), "auto" (Triton where it applies: CUDA and no gradient; "torch"
+elsewhere). ``reslin_decode_step`` advances a generation cache's states in place by one token.
 """
 
 import os
@@ -44,6 +43,7 @@ except ImportError:  # no Triton installed: the "torch" backend serves everywher
 UPDATE_RULES = ("delta", "additive")
 BACKENDS = ("auto", "torch", "triton", "recurrent")
 MAX_HEAD_DIM = 256
+CHUNKED_HEAD_DIM_MULTIPLE = 16
 
 
 def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend):
@@ -129,7 +129,7 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
         without gamma), or None unless output_final_state.
     """
     _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend)
-    backend = _resolve_backend(backend, q, cu_seqlens, q, k, v, g, beta, gamma, gamma_write,
+    backend = _resolve_backend(backend, q, v, cu_seqlens, q, k, v, g, beta, gamma, gamma_write,
                                *(initial_state or ()))
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
@@ -159,7 +159,7 @@ def reslin_decode_step(q, k, v, g, beta, state, gamma=None, gamma_write=None, up
     for name, x in (("S", S), ("R", R)):
         if x is not None and (x.dtype != torch.float32 or not x.is_contiguous()):
             raise ValueError(f"state {name} must be a contiguous fp32 tensor, got {x.dtype}")
-    backend = _resolve_backend(backend, q, None, q, k, v, g, beta, gamma, gamma_write, S, R)
+    backend = _resolve_backend(backend, q, v, None, q, k, v, g, beta, gamma, gamma_write, S, R)
     o, S_next, R_next = _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S, R, None)
     if S_next is not S:  # the torch backends return new states; the Triton kernel wrote in place
         S.copy_(S_next)
@@ -190,15 +190,17 @@ def _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
     return o.to(v.dtype), S, R
 
 
-def _resolve_backend(backend, q, cu_seqlens, *tensors):
+def _resolve_backend(backend, q, v, cu_seqlens, *tensors):
     """The concrete backend for this call: "auto" takes Triton where a Triton kernel applies.
     ``tensors``: every input and state, to tell whether autograd needs a backward."""
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    decode = q.shape[1] == 1 and cu_seqlens is None
+    # The chunked kernels take head sizes in multiples of CHUNKED_HEAD_DIM_MULTIPLE: on the H200 a key
+    # head size of 100 gave wrong outputs and illegal addresses (48, 64, 72, 80, 128, 256 were right).
+    head_sizes_fit = all(x.shape[-1] % CHUNKED_HEAD_DIM_MULTIPLE == 0 for x in (q, v))
     if backend == "auto":
-        # The chunked Triton forward is tested in the interpreter only so far: "auto" takes it once
-        # it has been checked on a GPU; until then it takes the decode kernel alone.
-        decode = q.shape[1] == 1 and cu_seqlens is None
-        return "triton" if triton_decode_step is not None and q.is_cuda and decode and not needs_grad else "torch"
+        triton_applies = triton_decode_step is not None and q.is_cuda and not needs_grad
+        return "triton" if triton_applies and (decode or head_sizes_fit) else "torch"
     if backend == "triton":
         if triton_decode_step is None:
             raise ImportError("backend='triton' needs the triton package: install it, or use backend='torch'")
@@ -208,5 +210,8 @@ def _resolve_backend(backend, q, cu_seqlens, *tensors):
         if needs_grad:
             raise NotImplementedError("the Triton backend has no backward yet (no gradient): use backend='torch' "
                                       "or 'auto' for training")
+        if not (decode or head_sizes_fit):
+            raise ValueError(f"the chunked Triton forward takes head sizes that are multiples of "
+                             f"{CHUNKED_HEAD_DIM_MULTIPLE}, got Dk = {q.shape[-1]}, Dv = {v.shape[-1]}: "
+                             f"use backend='torch' or 'auto'")
     return backend
-

@@ -87,123 +87,301 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 
 
 # ---------------------------------------------------------------------------------------------
-# Chunked forward (DESIGN.md section 1, "Chunked form"), two kernels a pass:
-#   _chunk_write_kernel, all chunks at once: the WY terms U0 = T^-1 B V and W = T^-1 B diag(e^G) K,
-#       T = I + B (A^- * K K^T) (delta rule; the additive rule writes U0 = B V, W = 0);
-#   _chunk_scan_kernel, one program per (sequence, value head, value tile), chunk after chunk:
-#       U = U0 - W S, the outputs, pred = S_{t-1}^T k_t when asked, and the state update.
-# Tokens of every sequence are laid out one after another ([total tokens, heads, dim]); a chunk
-# never straddles two sequences, and the rows of a short tail chunk load as zeros (g = 0,
-# strength = 0, k = 0), which neither decays nor writes any state.
+# Chunked forward (DESIGN.md section 1, "Chunked form"). The tokens of every sequence lie one
+# after another ([L tokens, heads, dim]); chunks of BC tokens never straddle two sequences, and
+# the rows of a short tail chunk load as zeros (g = 0, strength b = 0, k = 0), which neither
+# decay nor write any state. One pass over a state is three kernels:
+#   _chunk_wy_kernel (delta rule only), every chunk at once: the WY terms
+#       W = T^-1 diag(b e^G) K,  U0 = T^-1 diag(b) V,  T = I + strictly_lower(diag(b) e^(G_i - G_j) K K^T),
+#       with T^-1 built from 16 x 16 blocks;
+#   _chunk_state_kernel, chunk after chunk for one (sequence, value head, value tile): stores the
+#       chunk-start state h, the chunk's writes U = U0 - W h (the additive rule writes U = diag(b) V)
+#       and moves on to S = e^(G_last) h + (e^(G_last - G) K)^T U;
+#   _chunk_output_kernel, every chunk at once: o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U.
+# The residual rules run two passes. The base pass reads exclusively (a_t S_{t-1}^T q_t), forms
+# pred_t = S_{t-1}^T k_t the same way and writes the clipped residual, the residual pass's values;
+# the residual pass's output adds gamma times its own read to the base read.
+# Precision: states, decays and the inverse in fp32; the large dots take their operands in the
+# input dtype (bf16/fp16 tensor cores, fp32 accumulation), exact fp32 ("ieee") for fp32 inputs;
+# W, U0, U and h are stored in the input dtype.
 # ---------------------------------------------------------------------------------------------
 
+CHUNK_SIZE = 64
+BLOCK = 16  # T^-1 is built from BLOCK x BLOCK blocks: CHUNK_SIZE = 4 * BLOCK
+
+# What the output kernel writes: o; the base read and the residual; the base read plus gamma times o.
+PLAIN, BASE, COMBINE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
 @triton.jit
-def _chunk_write_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, chunk_start_ptr, chunk_end_ptr, U0_ptr, W_ptr,
-                        HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
-                        DELTA: tl.constexpr):
+def _mm(a, b, DT: tl.constexpr):
+    """a @ b, fp32 accumulation, operands cast to DT (exact fp32 dots when DT is fp32)."""
+    if DT == tl.float32:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a.to(DT), b.to(DT))
+    return out
+
+
+@triton.jit
+def _load_rows(ptr, rows, row_ok, head, heads, cols, width):
+    """x[rows, head, cols] of a [tokens, heads, width] tensor, zero outside it."""
+    offsets = (rows * heads + head)[:, None] * width + cols[None, :]
+    return tl.load(ptr + offsets, mask=row_ok[:, None] & (cols < width)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, rows, row_ok, head, heads, cols, width, x):
+    offsets = (rows * heads + head)[:, None] * width + cols[None, :]
+    tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < width)[None, :])
+
+
+@triton.jit
+def _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT,
+                  BC: tl.constexpr, VARLEN: tl.constexpr):
+    """A chunk's first token and the end of its sequence (int64 token indices)."""
+    if VARLEN:
+        seq = tl.load(chunk_seq_ptr + chunk)
+        bos = tl.load(cu_seqlens_ptr + seq)
+        eos = tl.load(cu_seqlens_ptr + seq + 1)
+        first_chunk = tl.load(chunk_offsets_ptr + seq)
+    else:  # B rows of T tokens, NT chunks each
+        seq = chunk // NT
+        bos = seq.to(tl.int64) * T
+        eos = bos + T
+        first_chunk = seq * NT
+    return bos + (chunk - first_chunk).to(tl.int64) * BC, eos
+
+
+@triton.jit
+def _token_scalars(ptr, rows, row_ok, head, HV):
+    return tl.load(ptr + rows * HV + head, mask=row_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _wy_block(k_ptr, v_ptr, g_ptr, strength_ptr, first_row, end, head, HV, GROUP, DK, DV, G_before,
+              BLOCK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """One BLOCK-row block of a chunk: its rows, cumulative log decay G (continuing G_before),
+    strength b, keys and values, and G at its last row."""
+    rows = first_row + tl.arange(0, BLOCK)
+    row_ok = rows < end
+    g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+    G = G_before + tl.cumsum(g, axis=0)
+    strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, tl.arange(0, BK), DK)
+    v = _load_rows(v_ptr, rows, row_ok, head, HV, tl.arange(0, BV), DV)
+    return rows, row_ok, G, strength, k, v, G_before + tl.sum(g, axis=0)
+
+
+@triton.jit
+def _gram_block(k_i, k_j, G_i, G_j, strength_i, DIAGONAL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
+    """Block (i, j) of diag(b) e^(G_i - G_j) K K^T, strictly lower on the diagonal."""
+    log_decay = G_i[:, None] - G_j[None, :]
+    if DIAGONAL:
+        r = tl.arange(0, BLOCK)
+        log_decay = tl.where(r[:, None] > r[None, :], log_decay, float("-inf"))
+    return strength_i[:, None] * tl.exp(log_decay) * _mm(k_i, tl.trans(k_j), DT)
+
+
+@triton.jit
+def _invert_unit_lower(A, BLOCK: tl.constexpr):
+    """(I + A)^-1 for a strictly lower-triangular A by forward substitution: row i of the
+    inverse is e_i - A_i (I + A)^-1, and A_i only reaches rows above i, which are final."""
+    r = tl.arange(0, BLOCK)
+    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, BLOCK):
+        a_row = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)
+        X = tl.where(r[:, None] == i, X - tl.sum(a_row[:, None] * X, axis=0)[None, :], X)
+    return X
+
+
+@triton.jit
+def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr,
+                     W_ptr, U0_ptr, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BLOCK: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, VARLEN: tl.constexpr):
     chunk, head = tl.program_id(0), tl.program_id(1)
-    start, end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
-    rows, kcols, vcols = tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BVF)
-    tokens = (start + rows).to(tl.int64)
-    row_ok = start + rows < end
-    g = tl.load(g_ptr + tokens * HV + head, mask=row_ok, other=0.0).to(tl.float32)
-    strength = tl.load(strength_ptr + tokens * HV + head, mask=row_ok, other=0.0).to(tl.float32)
-    k_rows = (tokens * (HV // GROUP) + head // GROUP) * DK
-    k = tl.load(k_ptr + k_rows[:, None] + kcols[None, :], mask=row_ok[:, None] & (kcols < DK)[None, :],
-                other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + (tokens * HV + head)[:, None] * DV + vcols[None, :],
-                mask=row_ok[:, None] & (vcols < DV)[None, :], other=0.0).to(tl.float32)
-    G = tl.cumsum(g, axis=0)
-    U = strength[:, None] * v
-    out_rows = (tokens * HV + head)
-    if DELTA:
-        W = (strength * tl.exp(G))[:, None] * k
-        below = rows[:, None] > rows[None, :]
-        decay = tl.exp(tl.where(below, G[:, None] - G[None, :], float("-inf")))
-        A = strength[:, None] * decay * tl.dot(k, tl.trans(k), input_precision="ieee")
-        # Forward substitution, row by row: X_i = RHS_i - sum_{j<i} A_ij X_j, rows j < i final.
-        for i in range(1, BC):
-            a_row = tl.sum(tl.where(rows[:, None] == i, A, 0.0), axis=0)
-            this_row = (rows == i)[:, None]
-            U = tl.where(this_row, U - tl.sum(a_row[:, None] * U, axis=0)[None, :], U)
-            W = tl.where(this_row, W - tl.sum(a_row[:, None] * W, axis=0)[None, :], W)
-        tl.store(W_ptr + out_rows[:, None] * DK + kcols[None, :], W,
-                 mask=row_ok[:, None] & (kcols < DK)[None, :])
-    tl.store(U0_ptr + out_rows[:, None] * DV + vcols[None, :], U, mask=row_ok[:, None] & (vcols < DV)[None, :])
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    fixed = (end, head, HV, GROUP, DK, DV)
+    rows0, ok0, G0, b0, k0, v0, G_end = _wy_block(k_ptr, v_ptr, g_ptr, strength_ptr, start, *fixed, 0.0, BLOCK, BK, BV)
+    rows1, ok1, G1, b1, k1, v1, G_end = _wy_block(k_ptr, v_ptr, g_ptr, strength_ptr, start + BLOCK, *fixed, G_end,
+                                                  BLOCK, BK, BV)
+    rows2, ok2, G2, b2, k2, v2, G_end = _wy_block(k_ptr, v_ptr, g_ptr, strength_ptr, start + 2 * BLOCK, *fixed, G_end,
+                                                  BLOCK, BK, BV)
+    rows3, ok3, G3, b3, k3, v3, G_end = _wy_block(k_ptr, v_ptr, g_ptr, strength_ptr, start + 3 * BLOCK, *fixed, G_end,
+                                                  BLOCK, BK, BV)
+    # T^-1 by blocks, X = T^-1: X_ii = (I + A_ii)^-1 and X_ij = -X_ii sum_{j <= m < i} A_im X_mj.
+    X00 = _invert_unit_lower(_gram_block(k0, k0, G0, G0, b0, True, BLOCK, DT), BLOCK)
+    X11 = _invert_unit_lower(_gram_block(k1, k1, G1, G1, b1, True, BLOCK, DT), BLOCK)
+    X22 = _invert_unit_lower(_gram_block(k2, k2, G2, G2, b2, True, BLOCK, DT), BLOCK)
+    X33 = _invert_unit_lower(_gram_block(k3, k3, G3, G3, b3, True, BLOCK, DT), BLOCK)
+    A10 = _gram_block(k1, k0, G1, G0, b1, False, BLOCK, DT)
+    A20 = _gram_block(k2, k0, G2, G0, b2, False, BLOCK, DT)
+    A21 = _gram_block(k2, k1, G2, G1, b2, False, BLOCK, DT)
+    A30 = _gram_block(k3, k0, G3, G0, b3, False, BLOCK, DT)
+    A31 = _gram_block(k3, k1, G3, G1, b3, False, BLOCK, DT)
+    A32 = _gram_block(k3, k2, G3, G2, b3, False, BLOCK, DT)
+    f32: tl.constexpr = tl.float32
+    X10 = -_mm(X11, _mm(A10, X00, f32), f32)
+    X21 = -_mm(X22, _mm(A21, X11, f32), f32)
+    X20 = -_mm(X22, _mm(A20, X00, f32) + _mm(A21, X10, f32), f32)
+    X32 = -_mm(X33, _mm(A32, X22, f32), f32)
+    X31 = -_mm(X33, _mm(A31, X11, f32) + _mm(A32, X21, f32), f32)
+    X30 = -_mm(X33, _mm(A30, X00, f32) + _mm(A31, X10, f32) + _mm(A32, X20, f32), f32)
+    # W = X diag(b e^G) K and U0 = X diag(b) V, block row by block row.
+    kb0, kb1 = (b0 * tl.exp(G0))[:, None] * k0, (b1 * tl.exp(G1))[:, None] * k1
+    kb2, kb3 = (b2 * tl.exp(G2))[:, None] * k2, (b3 * tl.exp(G3))[:, None] * k3
+    vb0, vb1, vb2, vb3 = b0[:, None] * v0, b1[:, None] * v1, b2[:, None] * v2, b3[:, None] * v3
+    kcols, vcols = tl.arange(0, BK), tl.arange(0, BV)
+    _store_rows(W_ptr, rows0, ok0, head, HV, kcols, DK, _mm(X00, kb0, DT))
+    _store_rows(U0_ptr, rows0, ok0, head, HV, vcols, DV, _mm(X00, vb0, DT))
+    _store_rows(W_ptr, rows1, ok1, head, HV, kcols, DK, _mm(X10, kb0, DT) + _mm(X11, kb1, DT))
+    _store_rows(U0_ptr, rows1, ok1, head, HV, vcols, DV, _mm(X10, vb0, DT) + _mm(X11, vb1, DT))
+    _store_rows(W_ptr, rows2, ok2, head, HV, kcols, DK,
+                _mm(X20, kb0, DT) + _mm(X21, kb1, DT) + _mm(X22, kb2, DT))
+    _store_rows(U0_ptr, rows2, ok2, head, HV, vcols, DV,
+                _mm(X20, vb0, DT) + _mm(X21, vb1, DT) + _mm(X22, vb2, DT))
+    _store_rows(W_ptr, rows3, ok3, head, HV, kcols, DK,
+                _mm(X30, kb0, DT) + _mm(X31, kb1, DT) + _mm(X32, kb2, DT) + _mm(X33, kb3, DT))
+    _store_rows(U0_ptr, rows3, ok3, head, HV, vcols, DV,
+                _mm(X30, vb0, DT) + _mm(X31, vb1, DT) + _mm(X32, vb2, DT) + _mm(X33, vb3, DT))
 
 
 @triton.jit
-def _chunk_scan_kernel(q_ptr, k_ptr, g_ptr, U0_ptr, W_ptr, state_ptr, cu_seqlens_ptr, o_ptr, pred_ptr,
-                       scale, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       DELTA: tl.constexpr, EXCLUSIVE: tl.constexpr):
+def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, state_ptr,
+                        cu_seqlens_ptr, chunk_offsets_ptr, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
+                        VARLEN: tl.constexpr):
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
-    bos, eos = tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1)
-    rows, kcols = tl.arange(0, BC), tl.arange(0, BK)
-    vcols = value_tile * BV + tl.arange(0, BV)
-    kcol_ok, vcol_ok = kcols < DK, vcols < DV
-    state_offsets = seq_head.to(tl.int64) * DK * DV + kcols[:, None] * DV + vcols[None, :]
-    state_ok = kcol_ok[:, None] & vcol_ok[None, :]
-    S = tl.load(state_ptr + state_offsets, mask=state_ok, other=0.0)
-    inclusive = rows[:, None] >= rows[None, :]
-    strictly_below = rows[:, None] > rows[None, :]
+    if VARLEN:
+        bos, eos = tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1)
+        chunk = tl.load(chunk_offsets_ptr + seq)
+    else:
+        bos = seq.to(tl.int64) * T
+        eos = bos + T
+        chunk = (seq * NT).to(tl.int64)
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    tile = kcols[:, None] * DV + vcols[None, :]
+    tile_ok = (kcols < DK)[:, None] & (vcols < DV)[None, :]
+    state_offsets = seq_head.to(tl.int64) * DK * DV + tile
+    S = tl.load(state_ptr + state_offsets, mask=tile_ok, other=0.0)
     for start in range(bos, eos, BC):
-        tokens = (start + rows).to(tl.int64)
-        row_ok = start + rows < eos
-        k_rows = (tokens * (HV // GROUP) + head // GROUP) * DK
-        kq_ok = row_ok[:, None] & kcol_ok[None, :]
-        q = scale * tl.load(q_ptr + k_rows[:, None] + kcols[None, :], mask=kq_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + k_rows[:, None] + kcols[None, :], mask=kq_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + tokens * HV + head, mask=row_ok, other=0.0).to(tl.float32)
-        out_rows = tokens * HV + head
-        uv_ok = row_ok[:, None] & vcol_ok[None, :]
-        U = tl.load(U0_ptr + out_rows[:, None] * DV + vcols[None, :], mask=uv_ok, other=0.0)
+        tl.store(h_ptr + (chunk * HV + head) * DK * DV + tile, S.to(DT), mask=tile_ok)
+        rows = start + tl.arange(0, BC)
+        row_ok = rows < eos
+        g = _token_scalars(g_ptr, rows, row_ok, head, HV)
         if DELTA:
-            W = tl.load(W_ptr + out_rows[:, None] * DK + kcols[None, :], mask=kq_ok, other=0.0)
-            U = U - tl.dot(W, S, input_precision="ieee")
+            W = _load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)
+            U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32) - _mm(W, S, DT)
+            _store_rows(U_ptr, rows, row_ok, head, HV, vcols, DV, U)
+        else:
+            strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
+            U = strength[:, None] * _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
         G = tl.cumsum(g, axis=0)
-        read_mask = strictly_below if EXCLUSIVE else inclusive
-        attend = tl.exp(tl.where(read_mask, G[:, None] - G[None, :], float("-inf")))
-        attend = attend * tl.dot(q, tl.trans(k), input_precision="ieee")
-        o = tl.dot(tl.exp(G)[:, None] * q, S, input_precision="ieee") + tl.dot(attend, U, input_precision="ieee")
-        tl.store(o_ptr + out_rows[:, None] * DV + vcols[None, :], o, mask=uv_ok)
-        if EXCLUSIVE:
-            # pred_t = S_{t-1}^T k_t: decay exp(G_{t-1} - G_j), computed directly, never divided by a_t.
-            G_prev = G - g
-            pred_attend = tl.exp(tl.where(strictly_below, G_prev[:, None] - G[None, :], float("-inf")))
-            pred_attend = pred_attend * tl.dot(k, tl.trans(k), input_precision="ieee")
-            pred = tl.dot(tl.exp(G_prev)[:, None] * k, S, input_precision="ieee")
-            pred = pred + tl.dot(pred_attend, U, input_precision="ieee")
-            tl.store(pred_ptr + out_rows[:, None] * DV + vcols[None, :], pred, mask=uv_ok)
         G_last = tl.sum(g, axis=0)  # padded rows add 0: the last real token's cumulative decay
-        k_out = tl.exp(G_last - G)[:, None] * k
-        S = tl.exp(G_last) * S + tl.dot(tl.trans(k_out), U, input_precision="ieee")
-    tl.store(state_ptr + state_offsets, S, mask=state_ok)
+        k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+        S = tl.exp(G_last) * S + _mm(tl.trans(tl.exp(G_last - G)[:, None] * k), U, DT)
+        chunk += 1
+    tl.store(state_ptr + state_offsets, S, mask=tile_ok)
 
 
-CHUNK_SIZE = 64
+@triton.jit
+def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr, gamma_ptr, base_ptr, out_ptr,
+                         cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, clip, T, NT, HV, GROUP, DK, DV,
+                         BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                         DELTA: tl.constexpr, MODE: tl.constexpr, VARLEN: tl.constexpr):
+    value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    rows = start + tl.arange(0, BC)
+    row_ok = rows < end
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+    G = tl.cumsum(g, axis=0)
+    tile_ok = (kcols < DK)[:, None] & (vcols < DV)[None, :]
+    h = tl.load(h_ptr + (chunk.to(tl.int64) * HV + head) * DK * DV + kcols[:, None] * DV + vcols[None, :],
+                mask=tile_ok, other=0.0)
+    if DELTA:
+        U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
+    else:
+        strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
+        U = strength[:, None] * _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+    r = tl.arange(0, BC)
+    strictly_below = r[:, None] > r[None, :]
+    # The base pass of a residual rule reads S_{t-1} (exclusive), every other pass S_t.
+    read_mask = strictly_below if MODE == BASE else r[:, None] >= r[None, :]
+    attend = tl.exp(tl.where(read_mask, G[:, None] - G[None, :], float("-inf"))) * _mm(q, tl.trans(k), DT)
+    o = scale * (tl.exp(G)[:, None] * _mm(q, h, DT) + _mm(attend, U, DT))
+    if MODE == PLAIN:
+        _store_rows(out_ptr, rows, row_ok, head, HV, vcols, DV, o)
+    if MODE == BASE:
+        _store_rows(base_ptr, rows, row_ok, head, HV, vcols, DV, o)
+        # pred_t = S_{t-1}^T k_t: decay e^(G_{t-1} - G_j), computed directly, never divided by a_t.
+        G_prev = G - g
+        attend = tl.exp(tl.where(strictly_below, G_prev[:, None] - G[None, :], float("-inf"))) * _mm(k, tl.trans(k), DT)
+        pred = tl.exp(G_prev)[:, None] * _mm(k, h, DT) + _mm(attend, U, DT)
+        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        _store_rows(out_ptr, rows, row_ok, head, HV, vcols, DV, tl.minimum(tl.maximum(v - pred, -clip), clip))
+    if MODE == COMBINE:
+        gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
+        base = _load_rows(base_ptr, rows, row_ok, head, HV, vcols, DV)
+        _store_rows(out_ptr, rows, row_ok, head, HV, vcols, DV, base + gamma[:, None] * o)
 
 
-def _chunk_pass(q, k, v, g, strength, state, cu_seqlens, chunk_table, update, scale, exclusive, chunk_size):
-    """One state's pass over packed tokens. q, k [L, H, Dk]; v [L, HV, Dv]; g, strength [L, HV];
-    state [N, HV, Dk, Dv] fp32, advanced in place. Returns o (and pred) [L, HV, Dv] fp32."""
+class _ChunkLayout:
+    """Where the chunks of B rows of T tokens, or of packed sequences (cu_seqlens), lie."""
+
+    def __init__(self, B, T, cu_seqlens, device, chunk_size):
+        self.T, self.NT, self.varlen = T, triton.cdiv(T, chunk_size), cu_seqlens is not None
+        if self.varlen:
+            self.cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+            chunks = (self.cu_seqlens.diff() + chunk_size - 1) // chunk_size
+            self.chunk_offsets = torch.nn.functional.pad(torch.cumsum(chunks, 0), (1, 0))
+            self.num_sequences = len(chunks)
+            self.num_chunks = int(self.chunk_offsets[-1])  # the grid needs it on the host: one sync
+            self.chunk_seq = torch.repeat_interleave(torch.arange(self.num_sequences, device=device), chunks,
+                                                     output_size=self.num_chunks)
+        else:  # computed inside the kernels; the table arguments are never read
+            self.num_sequences, self.num_chunks = B, B * self.NT
+            self.cu_seqlens = self.chunk_offsets = self.chunk_seq = torch.empty(1, device=device, dtype=torch.int64)
+
+    def tables(self):
+        return self.cu_seqlens, self.chunk_seq, self.chunk_offsets
+
+
+def _chunk_pass(q, k, values, g, strength, state, layout, update, scale, mode, out, base=None, gamma=None,
+                clip=1.0, chunk_size=CHUNK_SIZE):
+    """One state's pass over packed tokens q, k [L, H, Dk], values [L, HV, Dv], g, strength
+    [L, HV]; state [N, HV, Dk, Dv] fp32 is advanced in place. Writes `out` (and `base`), see
+    PLAIN / BASE / COMBINE."""
     L, H, Dk = q.shape
-    HV, Dv = v.shape[1:]
+    HV, Dv = values.shape[1:]
     delta = update == "delta"
-    chunk_starts, chunk_ends = chunk_table
-    U0 = torch.empty(L, HV, Dv, device=q.device, dtype=torch.float32)
-    W = torch.empty(L, HV, Dk, device=q.device, dtype=torch.float32) if delta else U0
-    BK, BVF = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
-    _chunk_write_kernel[(len(chunk_starts), HV)](
-        k, v, g, strength, chunk_starts, chunk_ends, U0, W, HV, HV // H, Dk, Dv,
-        BC=chunk_size, BK=BK, BVF=BVF, DELTA=delta)
-    o = torch.empty(L, HV, Dv, device=q.device, dtype=torch.float32)
-    pred = torch.empty_like(o) if exclusive else o
-    BV = min(BVF, 32)
-    _chunk_scan_kernel[(triton.cdiv(Dv, BV), state.shape[0] * HV)](
-        q, k, g, U0, W, state, cu_seqlens, o, pred, scale, HV, HV // H, Dk, Dv,
-        BC=chunk_size, BK=BK, BV=BV, DELTA=delta, EXCLUSIVE=exclusive)
-    return o, (pred if exclusive else None)
+    DT = TRITON_DTYPES[q.dtype]
+    cu_seqlens, chunk_seq, chunk_offsets = layout.tables()
+    shape = dict(T=layout.T, NT=layout.NT, HV=HV, GROUP=HV // H, DK=Dk, DV=Dv)
+    BK, BV_full = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
+    warps = 4 if BK <= 128 else 8
+    U0 = W = U = values  # the additive rule writes diag(b) V, recomputed where it is read
+    if delta:
+        W = torch.empty(L, HV, Dk, device=q.device, dtype=q.dtype)
+        U0, U = torch.empty(2, L, HV, Dv, device=q.device, dtype=q.dtype)
+        _chunk_wy_kernel[(layout.num_chunks, HV)](
+            k, values, g, strength, cu_seqlens, chunk_seq, chunk_offsets, W, U0, **shape,
+            BC=chunk_size, BLOCK=BLOCK, BK=BK, BV=BV_full, DT=DT, VARLEN=layout.varlen, num_warps=warps)
+    h = torch.empty(layout.num_chunks, HV, Dk, Dv, device=q.device, dtype=q.dtype)
+    # Few sequence-heads leave SMs idle in the sequential state kernel: narrower value tiles then.
+    BV_state = min(BV_full, 64 if layout.num_sequences * HV >= 128 else 32)
+    _chunk_state_kernel[(triton.cdiv(Dv, BV_state), layout.num_sequences * HV)](
+        k, values, g, strength, W, U0, U, h, state, cu_seqlens, chunk_offsets, **shape,
+        BC=chunk_size, BK=BK, BV=BV_state, DT=DT, DELTA=delta, VARLEN=layout.varlen, num_warps=warps)
+    BV = min(BV_full, 64)
+    _chunk_output_kernel[(triton.cdiv(Dv, BV), layout.num_chunks, HV)](
+        q, k, values, g, strength, U, h, gamma if gamma is not None else g, base if base is not None else out, out,
+        cu_seqlens, chunk_seq, chunk_offsets, scale, clip, **shape,
+        BC=chunk_size, BK=BK, BV=BV, DT=DT, DELTA=delta, MODE=mode.value, VARLEN=layout.varlen, num_warps=warps)
 
 
 def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
@@ -212,27 +390,18 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
     kernels_reslin_torch.chunk_reslin: returns (o in v's dtype, S, R) with fp32 states."""
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, B + 1, device=q.device, dtype=torch.int64) * T
-    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64)
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    chunks = (lengths + chunk_size - 1) // chunk_size
-    sequence_of_chunk = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), chunks)
-    first_chunk = torch.cumsum(chunks, 0) - chunks
-    index_in_sequence = torch.arange(len(sequence_of_chunk), device=q.device) - first_chunk[sequence_of_chunk]
-    chunk_table = (cu_seqlens[sequence_of_chunk] + index_in_sequence * chunk_size, cu_seqlens[1:][sequence_of_chunk])
-
+    layout = _ChunkLayout(B, T, cu_seqlens, q.device, chunk_size)
     flat = lambda x: None if x is None else x.reshape(B * T, *x.shape[2:]).contiguous()  # noqa: E731
     q, k, v, g, beta, gamma, gamma_write = map(flat, (q, k, v, g, beta, gamma, gamma_write))
     S = S0.clone(memory_format=torch.contiguous_format)
-    run = lambda values, strength, state, exclusive: _chunk_pass(  # noqa: E731
-        q, k, values, g, strength, state, cu_seqlens, chunk_table, update, scale, exclusive, chunk_size)
+    o = torch.empty_like(v)
+    common = dict(layout=layout, update=update, scale=scale, chunk_size=chunk_size)
     if gamma is None:
-        o, _ = run(v, beta, S, exclusive=False)
-        return o.reshape(B, T, HV, Dv).to(v.dtype), S, None
-    base_read, pred = run(v, beta, S, exclusive=True)
-    residual = (v.float() - pred).clamp(-clip, clip)
+        _chunk_pass(q, k, v, g, beta, S, mode=PLAIN, out=o, **common)
+        return o.reshape(B, T, HV, Dv), S, None
+    base_read = torch.empty(B * T, HV, Dv, device=q.device, dtype=torch.float32)
+    residual = torch.empty_like(v)
+    _chunk_pass(q, k, v, g, beta, S, mode=BASE, out=residual, base=base_read, clip=clip, **common)
     R = R0.clone(memory_format=torch.contiguous_format)
-    residual_read, _ = run(residual, gamma_write, R, exclusive=False)
-    o = base_read + gamma.float()[..., None] * residual_read
-    return o.reshape(B, T, HV, Dv).to(v.dtype), S, R
+    _chunk_pass(q, k, residual, g, gamma_write, R, mode=COMBINE, out=o, base=base_read, gamma=gamma, **common)
+    return o.reshape(B, T, HV, Dv), S, R

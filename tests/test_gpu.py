@@ -131,3 +131,12 @@ def test_triton_chunked_forward_bf16_at_real_sizes(name, update, residual, kaczm
     assert rel_err(o, o_ref) < 5e-3 and rel_err(S, S_ref) < 5e-3
     if residual:
         assert rel_err(R, R_ref) < 5e-3
+
+
+def test_auto_backend_falls_back_to_torch_for_head_sizes_the_chunked_kernels_refuse():
+    x = to_cuda(make_inputs(2, 100, 2, 2, 100, 72, residual=False), torch.bfloat16)
+    args = [x[n].detach() for n in ("q", "k", "v", "g", "beta")]
+    with torch.no_grad():
+        o_auto, _ = reslin_attention(*args, backend="auto")
+        o_torch, _ = reslin_attention(*args, backend="torch")
+    assert torch.equal(o_auto, o_torch)

@@ -72,8 +72,9 @@ def test_triton_backend_refuses_gradients_until_it_has_a_backward():
 
 
 # (B, T, H, HV, Dk, Dv, sequence lengths or None): T not a multiple of the chunk (64), grouped value
-# heads, Dk != Dv, sizes that are not powers of two; and packed sequences of 1, 69, 5 and 75 tokens.
-CHUNK_CASES = [(2, 70, 2, 4, 16, 24, None), (1, 150, 1, 2, 12, 8, [1, 69, 5, 75])]
+# heads, Dk != Dv, a head size that is not a power of two (masked tiles); and packed sequences of
+# 1, 69, 5 and 75 tokens.
+CHUNK_CASES = [(2, 70, 2, 4, 16, 32, None), (1, 150, 1, 2, 48, 16, [1, 69, 5, 75])]
 
 
 @pytest.mark.parametrize("case", CHUNK_CASES, ids=["batch", "varlen"])
@@ -96,6 +97,15 @@ def test_chunked_forward_matches_reference(name, update, residual, kaczmarz, cas
         results[backend] = [o, S] + ([R] if residual else [])
     for label, got, ref in zip(("o", "S", "R"), results["triton"], results["recurrent"]):
         assert rel_err(got, ref) < 1e-5, f"{label}: {rel_err(got, ref):.2e}"
+
+
+def test_chunked_triton_forward_names_the_head_sizes_it_takes():
+    x = on_device(make_inputs(1, 4, 1, 1, 24, 16, residual=False))
+    with pytest.raises(ValueError, match="multiples of 16, got Dk = 24, Dv = 16"):
+        reslin_attention(*(x[n] for n in ("q", "k", "v", "g", "beta")), backend="triton")
+    one_token = {n: x[n][:, :1] for n in ("q", "k", "v", "g", "beta")}  # the decode kernel takes any size
+    assert rel_err(reslin_attention(**one_token, backend="triton")[0],
+                   reslin_attention(**one_token, backend="recurrent")[0]) < 1e-5
 
 
 def test_triton_backend_names_the_device_it_needs(monkeypatch):
