@@ -11,6 +11,10 @@ It is a self-contained class rather than a `transformers.cache_utils.Cache` subc
 tensors, while generate only needs the handful of members defined here. A recurrent state
 cannot be rolled back without keeping every intermediate state, so the cache cannot be
 cropped: assisted and speculative decoding are refused.
+
+Once a linear attention layer's states exist they stay where they are: later tokens and beam
+search overwrite them in place. A CUDA graph of a generation step (`decode_graph`, captured by
+modeling_reslin) reads and writes them at those addresses.
 """
 
 import torch
@@ -32,6 +36,8 @@ class ResLinCache:
         self.value_cache = [None] * num_layers
         self.sliding_window = config.sliding_window
         self._seen_tokens = 0
+        # modeling_reslin.ResLinDecodeGraph: a generation step captured against this cache's states.
+        self.decode_graph = None
 
     @staticmethod
     def signature(config):
@@ -66,6 +72,26 @@ class ResLinCache:
         """Called by the model once per forward, after every layer has updated its entry."""
         self._seen_tokens += num_tokens
 
+    def update_linear(self, layer_idx, conv_states, recurrent_states):
+        """Store a linear attention layer's new states: `conv_states` (q, k, v) and
+        `recurrent_states` (S, R), R None without the residual rule.
+
+        The first states a layer gets are kept, and later ones are copied into them, so that
+        they never move (see the module docstring). Under autograd they are replaced instead,
+        since an earlier step's backward may still need the old values; a decode graph, which
+        would write to the old tensors, is dropped then.
+        """
+        held = self.conv_states[layer_idx]
+        if held is None or torch.is_grad_enabled():
+            # Contiguous copies: a convolution's window is a view of its whole input, which would stay alive.
+            self.conv_states[layer_idx] = tuple(x.contiguous() for x in conv_states)
+            self.recurrent_states[layer_idx] = tuple(None if x is None else x.contiguous() for x in recurrent_states)
+            self.decode_graph = None
+            return
+        for old, new in zip(held + self.recurrent_states[layer_idx], conv_states + recurrent_states):
+            if new is not old:  # the decode step advances S and R in place already
+                old.copy_(new)
+
     def update_attention(self, layer_idx, keys, values):
         """Append this step's keys/values [B, kv_heads, T, D]; return the cached ones followed by them."""
         if self.key_cache[layer_idx] is not None:
@@ -78,18 +104,16 @@ class ResLinCache:
         return keys, values
 
     def reorder_cache(self, beam_idx):
-        """Beam search: row i continues from row beam_idx[i]."""
-        def select(x):
-            return None if x is None else x.index_select(0, beam_idx.to(x.device))
-
+        """Beam search: row i continues from row beam_idx[i], in place (the states do not move)."""
+        if tuple(beam_idx.shape) != (self.batch_size,):
+            raise ValueError(f"beam_idx must name one source row for each of the cache's {self.batch_size} rows, "
+                             f"got shape {tuple(beam_idx.shape)}")
         for i in range(len(self.layer_types)):
-            if self.conv_states[i] is not None:
-                self.conv_states[i] = tuple(select(x) for x in self.conv_states[i])
-            if self.recurrent_states[i] is not None:
-                self.recurrent_states[i] = tuple(select(x) for x in self.recurrent_states[i])
-            self.key_cache[i] = select(self.key_cache[i])
-            self.value_cache[i] = select(self.value_cache[i])
-        self.batch_size = beam_idx.shape[0]
+            held = (*(self.conv_states[i] or ()), *(self.recurrent_states[i] or ()), self.key_cache[i],
+                    self.value_cache[i])
+            for x in held:
+                if x is not None:
+                    x.copy_(x.index_select(0, beam_idx.to(x.device)))
 
     def crop(self, max_length):
         raise NotImplementedError(

@@ -111,6 +111,10 @@ class ResLinConfig(PretrainedConfig):
         initializer_range (`float`, defaults to 0.02): std of the normal weight initialisation.
         kernel_backend (`str`, defaults to `"auto"`): `reslin_attention` backend: `auto`, `torch`,
             `triton` or `recurrent`.
+        decode_cuda_graphs (`bool`, defaults to `True`): on CUDA, replay each generation step of a model
+            whose layers are all linear attention from a CUDA graph captured at the cache's first step
+            (see `ResLinDecodeGraph` in modeling_reslin.py); `False` runs every step eagerly. Read at
+            every forward, so `model.config.decode_cuda_graphs = False` takes effect at once.
         tie_word_embeddings (`bool`, defaults to False): share `lm_head` with the input embeddings.
     """
 
@@ -147,6 +151,7 @@ class ResLinConfig(PretrainedConfig):
         max_position_embeddings=2048,
         initializer_range=0.02,
         kernel_backend="auto",
+        decode_cuda_graphs=True,
         use_cache=True,
         tie_word_embeddings=False,
         pad_token_id=None,
@@ -203,6 +208,7 @@ class ResLinConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.kernel_backend = kernel_backend
+        self.decode_cuda_graphs = decode_cuda_graphs
         self.use_cache = use_cache
         self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
         # Our checks first: their messages name our fields, where transformers' own would not.
@@ -281,6 +287,7 @@ class ResLinConfig(PretrainedConfig):
         if isinstance(initializer_range, bool) or not isinstance(initializer_range, (int, float)) or initializer_range < 0:
             raise ValueError(f"initializer_range must be a number >= 0, got {initializer_range!r}")
         _choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+        _choice("decode_cuda_graphs", self.decode_cuda_graphs, (False, True))
         for name in ("pad_token_id", "bos_token_id"):
             token_id = getattr(self, name)
             if token_id is not None and not (isinstance(token_id, int) and 0 <= token_id < self.vocab_size):

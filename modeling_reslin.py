@@ -10,9 +10,14 @@ handles padding masks and the generation cache. Parameter names follow FLA's Gat
 Padding: a padded position leaves every state as it found it (its conv input is zeroed, and
 g = beta = gamma = 0 there), and full attention layers mask padded keys and take RoPE positions
 from the mask, so each row of a padded batch gives the logits of that row run alone.
+
+Generation steps on CUDA: a step of a model whose layers are all linear attention is replayed
+from a CUDA graph (ResLinDecodeGraph), since launching its dozens of small kernels a layer from
+Python costs far more than running them.
 """
 
 import math
+import weakref
 from dataclasses import fields
 
 import torch
@@ -134,7 +139,10 @@ class ResLinLinearAttention(nn.Module):
         """`attention_mask`: None (no padding) or bool [B, past + T]. `cu_seqlens`: packed
         sequences in one row, whose `position_ids` then restart at 0 for each sequence."""
         B, T, _ = x.shape
-        token_mask = None if attention_mask is None else attention_mask[:, -T:]
+        # A decode step's token is real in every row: generate extends the mask with ones, and the
+        # padding of earlier tokens is in the states already (transformers 5.24's own recurrent
+        # layers skip it for one token too: masking_utils.create_recurrent_attention_mask).
+        token_mask = None if attention_mask is None or is_decode_step(cache, T) else attention_mask[:, -T:]
         if token_mask is not None:
             # Zero inputs keep the short convolutions' windows as if padding were not there.
             x = x * token_mask[..., None].to(x.dtype)
@@ -181,8 +189,7 @@ class ResLinLinearAttention(nn.Module):
                                         cu_seqlens=cu_seqlens, backend=self.kernel_backend,
                                         gamma_write=gamma_write)
         if cache is not None:
-            cache.conv_states[self.layer_idx] = (q_state, k_state, v_state)
-            cache.recurrent_states[self.layer_idx] = state
+            cache.update_linear(self.layer_idx, (q_state, k_state, v_state), state)
 
         gate = self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
         o = self.o_norm(o, gate)
@@ -312,14 +319,29 @@ class ResLinPreTrainedModel(PreTrainedModel):
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
 
 
-def check_attention_mask(attention_mask, batch_size, total_length):
-    """Validate a 2-D padding mask; return it as bool, or None when nothing is padded."""
+def is_decode_step(cache, num_tokens):
+    """A generation step: one token per row, continuing a cache that has seen tokens."""
+    return num_tokens == 1 and cache is not None and cache.get_seq_length() > 0
+
+
+def check_input_ids(input_ids, vocab_size):
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist() if input_ids.numel() else (0, 0)
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
+
+
+def check_attention_mask(attention_mask, batch_size, total_length, check_values=True):
+    """Validate a 2-D padding mask; return it as bool, or None when nothing is padded. Without
+    `check_values` only its shape is checked, and it is returned as bool: reading its values
+    costs a device sync."""
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch_size, total_length):
         raise ValueError(f"attention_mask must have shape [batch, past + new tokens] = [{batch_size}, {total_length}], "
                          f"got {tuple(attention_mask.shape)}")
     mask = attention_mask != 0
+    if not check_values:
+        return mask
     runs_of_ones = mask[:, :1].sum(-1) + (mask[:, 1:] & ~mask[:, :-1]).sum(-1)
-    # One device sync for all three checks: this runs at every decode step.
+    # One device sync for all three checks.
     binary, contiguous, unpadded = torch.stack(
         [((attention_mask == 0) | (attention_mask == 1)).all(), (runs_of_ones <= 1).all(), mask.all()]).tolist()
     if not binary:
@@ -328,6 +350,58 @@ def check_attention_mask(attention_mask, batch_size, total_length):
         raise ValueError("attention_mask has padding between tokens: each row's ones must be contiguous "
                          "(left or right padding only)")
     return None if unpadded else mask
+
+
+class ResLinDecodeGraph:
+    """A generation step of a ResLinModel (embedding, layers, final norm) captured in a CUDA graph
+    for one ResLinCache, and replayed at the cache's later steps.
+
+    Eagerly, a step launches dozens of small kernels a layer from Python, which costs a deep model
+    far more time than running them; a replay launches the whole step at once. The graph reads the
+    token from its own `input_ids` buffer, and the weights and the cache's states at the
+    addresses they had at capture. That holds because the cache advances and reorders its states
+    in place (and drops its graph when it cannot, under autograd), and because the graph notes
+    its model and where the model's embedding lay: a cache used by another model, or a model
+    moved or cast since, is captured again. What a replay cannot see: parameters or modules
+    replaced one by one between two steps of one cache. A new generate call (a new cache)
+    captures afresh; `config.decode_cuda_graphs = False` runs every step eagerly.
+    """
+
+    def __init__(self, model, step, input_ids, stream):
+        self.model = weakref.ref(model)
+        self.weights = model.embeddings.weight.data_ptr()
+        self.input_ids = input_ids.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local, as torch.compile's CUDA graphs: CUDA work of other threads (another
+        # generation, say) neither breaks the capture nor is refused during it.
+        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+            self.output = step(self.input_ids)
+
+    @classmethod
+    def capture(cls, model, step, input_ids):
+        """Run `step(input_ids)` once for real, then capture it: (its output, the graph).
+
+        The real run is the warm-up that capture needs (lazy set-ups such as Triton's compilation
+        and cuBLAS's workspace must not happen during capture), on the side stream the capture
+        then uses. It advances the cache by this token; the capture itself runs nothing."""
+        with torch.cuda.device(input_ids.device):
+            current, side = torch.cuda.current_stream(), torch.cuda.Stream()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                output = step(input_ids)
+            graph = cls(model, step, input_ids, side)
+            current.wait_stream(side)
+            output.record_stream(current)  # made on the side stream, read on this one
+        return output, graph
+
+    def serves(self, model):
+        return self.model() is model and model.embeddings.weight.data_ptr() == self.weights
+
+    def replay(self, input_ids):
+        self.input_ids.copy_(input_ids)
+        self.graph.replay()
+        # A copy: the next replay overwrites `output`, and the caller may keep this step's.
+        return self.output.clone()
 
 
 class ResLinModel(ResLinPreTrainedModel):
@@ -367,13 +441,7 @@ class ResLinModel(ResLinPreTrainedModel):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
-        if input_ids is not None:
-            low, high = torch.stack(torch.aminmax(input_ids)).tolist() if input_ids.numel() else (0, 0)
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got values in "
-                                 f"[{low}, {high}]")
-            inputs_embeds = self.embeddings(input_ids)
-        B, T = inputs_embeds.shape[:2]
+        B, T = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
 
         if any(layer.gradient_checkpointing for layer in self.layers) and self.training and torch.is_grad_enabled():
             # The backward replay would read states the forward already advanced.
@@ -383,8 +451,15 @@ class ResLinModel(ResLinPreTrainedModel):
         if cache is not None:
             cache.check_compatible(self.config, B)
         past = cache.get_seq_length() if cache is not None else 0
+        # A generation step's token and mask come from checked ones (generate samples the token and
+        # extends the mask with ones): only shapes are checked then, since reading values syncs the
+        # device at every token. An out-of-range token still fails, in the embedding lookup (on CUDA
+        # as a device-side assertion).
+        decode_step = is_decode_step(cache, T)
+        if input_ids is not None and not decode_step:
+            check_input_ids(input_ids, self.config.vocab_size)
         if attention_mask is not None:
-            attention_mask = check_attention_mask(attention_mask, B, past + T)
+            attention_mask = check_attention_mask(attention_mask, B, past + T, check_values=not decode_step)
         # position_ids restarting at 0 mean packed sequences only in a fresh, unpadded row: with
         # padding or a cache they are positions of one sequence.
         cu_seqlens = packed_sequences(position_ids, kwargs.get("cu_seq_lens_q"), B, T,
@@ -397,14 +472,34 @@ class ResLinModel(ResLinPreTrainedModel):
             use_cache = False  # their final states are not a batch a cache could continue
         if cache is None and use_cache:
             cache = ResLinCache(self.config, B)
-        if position_ids is None and "full_attention" in self.config.layer_types:
-            if attention_mask is not None:
-                # Count only real tokens, so RoPE matches the unpadded sequence.
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
-            else:
-                position_ids = torch.arange(past, past + T, device=inputs_embeds.device).expand(B, T)
 
-        hidden_states = inputs_embeds
+        hidden_states = all_hidden_states = None
+        # Stacks with attention layers decode eagerly: their key/value caches grow at every step.
+        if (decode_step and input_ids is not None and input_ids.is_cuda and self.config.decode_cuda_graphs
+                and "full_attention" not in self.config.layer_types and not output_hidden_states
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and not torch.cuda.is_current_stream_capturing()):
+            hidden_states = self.decode_with_graph(input_ids, cache)
+        if hidden_states is None:
+            if input_ids is not None:
+                inputs_embeds = self.embeddings(input_ids)
+            if position_ids is None and "full_attention" in self.config.layer_types:
+                if attention_mask is not None:
+                    # Count only real tokens, so RoPE matches the unpadded sequence.
+                    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+                else:
+                    position_ids = torch.arange(past, past + T, device=inputs_embeds.device).expand(B, T)
+            hidden_states, all_hidden_states = self.run_layers(inputs_embeds, attention_mask, position_ids, cache,
+                                                               cu_seqlens, output_hidden_states)
+        if cache is not None:
+            cache.advance(T)
+
+        output = BaseModelOutputWithPast(last_hidden_state=hidden_states, hidden_states=all_hidden_states,
+                                         **{CACHE_FIELD: cache})
+        return output if return_dict else output.to_tuple()
+
+    def run_layers(self, hidden_states, attention_mask, position_ids, cache, cu_seqlens, output_hidden_states):
+        """The blocks and the final norm: (last hidden state, every hidden state or None)."""
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
             hidden_states = layer(hidden_states, attention_mask, position_ids, cache=cache, cu_seqlens=cu_seqlens)
@@ -413,12 +508,26 @@ class ResLinModel(ResLinPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
-        if cache is not None:
-            cache.advance(T)
+        return hidden_states, all_hidden_states
 
-        output = BaseModelOutputWithPast(last_hidden_state=hidden_states, hidden_states=all_hidden_states,
-                                         **{CACHE_FIELD: cache})
-        return output if return_dict else output.to_tuple()
+    def decode_with_graph(self, input_ids, cache):
+        """A generation step from the cache's CUDA graph (ResLinDecodeGraph), captured at its first
+        step; None, to run eagerly, where the states or the weights are not all on the input's
+        device (a cache filled elsewhere, a model split across devices or offloaded)."""
+        graph = cache.decode_graph
+        if graph is not None and graph.serves(self):
+            return graph.replay(input_ids)
+        device = input_ids.device
+        if not (all(state is not None and state[0].device == device for state in cache.recurrent_states)
+                and all(p.device == device for p in self.parameters())):
+            return None
+        cache.decode_graph = None  # release a stale graph's memory before capturing anew
+
+        def step(input_ids):
+            return self.run_layers(self.embeddings(input_ids), None, None, cache, None, False)[0]
+
+        hidden_states, cache.decode_graph = ResLinDecodeGraph.capture(self, step, input_ids)
+        return hidden_states
 
 
 def packed_sequences(position_ids, cu_seq_lens_q, batch_size, length, detect):
