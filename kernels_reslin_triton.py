@@ -90,10 +90,11 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 # Chunked forward (DESIGN.md section 1, "Chunked form"). The tokens of every sequence lie one
 # after another ([L tokens, heads, dim]); chunks of BC tokens never straddle two sequences, and
 # the rows of a short tail chunk load as zeros (g = 0, strength b = 0, k = 0), which neither
-# decay nor write any state. One pass over a state is three kernels:
-#   _chunk_wy_kernel (delta rule only), every chunk at once: the WY terms
-#       W = T^-1 diag(b e^G) K,  U0 = T^-1 diag(b) V,  T = I + strictly_lower(diag(b) e^(G_i - G_j) K K^T),
-#       with T^-1 built from 16 x 16 blocks;
+# decay nor write any state. One pass over a state is four kernels (two for the additive rule):
+#   _chunk_inverse_kernel (delta rule), every chunk at once: T^-1 from 16 x 16 blocks,
+#       T = I + strictly_lower(diag(b) e^(G_i - G_j) K K^T); few warps suit its small tiles;
+#   _chunk_wy_kernel (delta rule), every chunk at once: the WY terms
+#       W = T^-1 diag(b e^G) K and U0 = T^-1 diag(b) V, as full-chunk tensor-core dots;
 #   _chunk_state_kernel, chunk after chunk for one (sequence, value head, value tile): stores the
 #       chunk-start state h, the chunk's writes U = U0 - W h (the additive rule writes U = diag(b) V)
 #       and moves on to S = e^(G_last) h + (e^(G_last - G) K)^T U;
@@ -101,9 +102,10 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 # The residual rules run two passes. The base pass reads exclusively (a_t S_{t-1}^T q_t), forms
 # pred_t = S_{t-1}^T k_t the same way and writes the clipped residual, the residual pass's values;
 # the residual pass's output adds gamma times its own read to the base read.
-# Precision: states, decays and the inverse in fp32; the large dots take their operands in the
-# input dtype (bf16/fp16 tensor cores, fp32 accumulation), exact fp32 ("ieee") for fp32 inputs;
-# W, U0, U and h are stored in the input dtype.
+# Precision: states, decays and the inverse's blocks in fp32 (merged with tf32 dots for bf16/fp16
+# inputs); the large dots take their operands in the input dtype (bf16/fp16 tensor cores, fp32
+# accumulation); everything is exact fp32 ("ieee") for fp32 inputs. T^-1, W, U0, U and h are
+# stored in the input dtype.
 # ---------------------------------------------------------------------------------------------
 
 CHUNK_SIZE = 64
@@ -160,18 +162,27 @@ def _token_scalars(ptr, rows, row_ok, head, HV):
 
 
 @triton.jit
-def _wy_block(k_ptr, v_ptr, g_ptr, strength_ptr, first_row, end, head, HV, GROUP, DK, DV, G_before,
-              BLOCK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """One BLOCK-row block of a chunk: its rows, cumulative log decay G (continuing G_before),
-    strength b, keys and values, and G at its last row."""
+def _mm_fp32(a, b, DT: tl.constexpr):
+    """a @ b of fp32 operands: exact for fp32 inputs, tf32 tensor cores when the inputs are
+    bf16/fp16 (whose own rounding is 8x coarser)."""
+    if DT == tl.float32:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision="tf32")
+    return out
+
+
+@triton.jit
+def _key_block(k_ptr, g_ptr, strength_ptr, first_row, end, head, HV, GROUP, DK, G_before,
+               BLOCK: tl.constexpr, BK: tl.constexpr):
+    """One BLOCK-row block of a chunk: its rows, keys, strength b and cumulative log decay G
+    (continuing G_before), and G at its last row."""
     rows = first_row + tl.arange(0, BLOCK)
     row_ok = rows < end
     g = _token_scalars(g_ptr, rows, row_ok, head, HV)
-    G = G_before + tl.cumsum(g, axis=0)
-    strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, tl.arange(0, BK), DK)
-    v = _load_rows(v_ptr, rows, row_ok, head, HV, tl.arange(0, BV), DV)
-    return rows, row_ok, G, strength, k, v, G_before + tl.sum(g, axis=0)
+    strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
+    return rows, row_ok, k, strength, G_before + tl.cumsum(g, axis=0), G_before + tl.sum(g, axis=0)
 
 
 @triton.jit
@@ -197,20 +208,20 @@ def _invert_unit_lower(A, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr,
-                     W_ptr, U0_ptr, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BLOCK: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, VARLEN: tl.constexpr):
+def _chunk_inverse_kernel(k_ptr, g_ptr, strength_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, X_ptr,
+                          T, NT, HV, GROUP, DK, BC: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
+                          DT: tl.constexpr, VARLEN: tl.constexpr):
+    """X = T^-1 of a chunk, by blocks: X_ii = (I + A_ii)^-1 and X_ij = -X_ii sum_{j <= m < i} A_im X_mj,
+    stored as rows [token, head, position in the chunk] (blocks above the diagonal left unwritten)."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
-    fixed = (end, head, HV, GROUP, DK, DV)
-    rows0, ok0, G0, b0, k0, v0, G_end = _wy_block(k_ptr, v_ptr, g_ptr, strength_ptr, start, *fixed, 0.0, BLOCK, BK, BV)
-    rows1, ok1, G1, b1, k1, v1, G_end = _wy_block(k_ptr, v_ptr, g_ptr, strength_ptr, start + BLOCK, *fixed, G_end,
-                                                  BLOCK, BK, BV)
-    rows2, ok2, G2, b2, k2, v2, G_end = _wy_block(k_ptr, v_ptr, g_ptr, strength_ptr, start + 2 * BLOCK, *fixed, G_end,
-                                                  BLOCK, BK, BV)
-    rows3, ok3, G3, b3, k3, v3, G_end = _wy_block(k_ptr, v_ptr, g_ptr, strength_ptr, start + 3 * BLOCK, *fixed, G_end,
-                                                  BLOCK, BK, BV)
-    # T^-1 by blocks, X = T^-1: X_ii = (I + A_ii)^-1 and X_ij = -X_ii sum_{j <= m < i} A_im X_mj.
+    fixed = (end, head, HV, GROUP, DK)
+    rows0, ok0, k0, b0, G0, G_end = _key_block(k_ptr, g_ptr, strength_ptr, start, *fixed, 0.0, BLOCK, BK)
+    rows1, ok1, k1, b1, G1, G_end = _key_block(k_ptr, g_ptr, strength_ptr, start + BLOCK, *fixed, G_end, BLOCK, BK)
+    rows2, ok2, k2, b2, G2, G_end = _key_block(k_ptr, g_ptr, strength_ptr, start + 2 * BLOCK, *fixed, G_end,
+                                               BLOCK, BK)
+    rows3, ok3, k3, b3, G3, G_end = _key_block(k_ptr, g_ptr, strength_ptr, start + 3 * BLOCK, *fixed, G_end,
+                                               BLOCK, BK)
     X00 = _invert_unit_lower(_gram_block(k0, k0, G0, G0, b0, True, BLOCK, DT), BLOCK)
     X11 = _invert_unit_lower(_gram_block(k1, k1, G1, G1, b1, True, BLOCK, DT), BLOCK)
     X22 = _invert_unit_lower(_gram_block(k2, k2, G2, G2, b2, True, BLOCK, DT), BLOCK)
@@ -221,30 +232,44 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, cu_seqlens_ptr, chunk_se
     A30 = _gram_block(k3, k0, G3, G0, b3, False, BLOCK, DT)
     A31 = _gram_block(k3, k1, G3, G1, b3, False, BLOCK, DT)
     A32 = _gram_block(k3, k2, G3, G2, b3, False, BLOCK, DT)
-    f32: tl.constexpr = tl.float32
-    X10 = -_mm(X11, _mm(A10, X00, f32), f32)
-    X21 = -_mm(X22, _mm(A21, X11, f32), f32)
-    X20 = -_mm(X22, _mm(A20, X00, f32) + _mm(A21, X10, f32), f32)
-    X32 = -_mm(X33, _mm(A32, X22, f32), f32)
-    X31 = -_mm(X33, _mm(A31, X11, f32) + _mm(A32, X21, f32), f32)
-    X30 = -_mm(X33, _mm(A30, X00, f32) + _mm(A31, X10, f32) + _mm(A32, X20, f32), f32)
-    # W = X diag(b e^G) K and U0 = X diag(b) V, block row by block row.
-    kb0, kb1 = (b0 * tl.exp(G0))[:, None] * k0, (b1 * tl.exp(G1))[:, None] * k1
-    kb2, kb3 = (b2 * tl.exp(G2))[:, None] * k2, (b3 * tl.exp(G3))[:, None] * k3
-    vb0, vb1, vb2, vb3 = b0[:, None] * v0, b1[:, None] * v1, b2[:, None] * v2, b3[:, None] * v3
+    X10 = -_mm_fp32(X11, _mm_fp32(A10, X00, DT), DT)
+    X21 = -_mm_fp32(X22, _mm_fp32(A21, X11, DT), DT)
+    X20 = -_mm_fp32(X22, _mm_fp32(A20, X00, DT) + _mm_fp32(A21, X10, DT), DT)
+    X32 = -_mm_fp32(X33, _mm_fp32(A32, X22, DT), DT)
+    X31 = -_mm_fp32(X33, _mm_fp32(A31, X11, DT) + _mm_fp32(A32, X21, DT), DT)
+    X30 = -_mm_fp32(X33, _mm_fp32(A30, X00, DT) + _mm_fp32(A31, X10, DT) + _mm_fp32(A32, X20, DT), DT)
+    c = tl.arange(0, BLOCK)
+    _store_rows(X_ptr, rows0, ok0, head, HV, c, BC, X00)
+    _store_rows(X_ptr, rows1, ok1, head, HV, c, BC, X10)
+    _store_rows(X_ptr, rows1, ok1, head, HV, c + BLOCK, BC, X11)
+    _store_rows(X_ptr, rows2, ok2, head, HV, c, BC, X20)
+    _store_rows(X_ptr, rows2, ok2, head, HV, c + BLOCK, BC, X21)
+    _store_rows(X_ptr, rows2, ok2, head, HV, c + 2 * BLOCK, BC, X22)
+    _store_rows(X_ptr, rows3, ok3, head, HV, c, BC, X30)
+    _store_rows(X_ptr, rows3, ok3, head, HV, c + BLOCK, BC, X31)
+    _store_rows(X_ptr, rows3, ok3, head, HV, c + 2 * BLOCK, BC, X32)
+    _store_rows(X_ptr, rows3, ok3, head, HV, c + 3 * BLOCK, BC, X33)
+
+
+@triton.jit
+def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, X_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr,
+                     W_ptr, U0_ptr, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, DT: tl.constexpr, VARLEN: tl.constexpr):
+    """The WY terms W = X diag(b e^G) K and U0 = X diag(b) V of a chunk."""
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    rows = start + tl.arange(0, BC)
+    row_ok = rows < end
+    r = tl.arange(0, BC)
+    X = tl.where(r[:, None] >= r[None, :], _load_rows(X_ptr, rows, row_ok, head, HV, r, BC), 0.0)
+    g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+    strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
     kcols, vcols = tl.arange(0, BK), tl.arange(0, BV)
-    _store_rows(W_ptr, rows0, ok0, head, HV, kcols, DK, _mm(X00, kb0, DT))
-    _store_rows(U0_ptr, rows0, ok0, head, HV, vcols, DV, _mm(X00, vb0, DT))
-    _store_rows(W_ptr, rows1, ok1, head, HV, kcols, DK, _mm(X10, kb0, DT) + _mm(X11, kb1, DT))
-    _store_rows(U0_ptr, rows1, ok1, head, HV, vcols, DV, _mm(X10, vb0, DT) + _mm(X11, vb1, DT))
-    _store_rows(W_ptr, rows2, ok2, head, HV, kcols, DK,
-                _mm(X20, kb0, DT) + _mm(X21, kb1, DT) + _mm(X22, kb2, DT))
-    _store_rows(U0_ptr, rows2, ok2, head, HV, vcols, DV,
-                _mm(X20, vb0, DT) + _mm(X21, vb1, DT) + _mm(X22, vb2, DT))
-    _store_rows(W_ptr, rows3, ok3, head, HV, kcols, DK,
-                _mm(X30, kb0, DT) + _mm(X31, kb1, DT) + _mm(X32, kb2, DT) + _mm(X33, kb3, DT))
-    _store_rows(U0_ptr, rows3, ok3, head, HV, vcols, DV,
-                _mm(X30, vb0, DT) + _mm(X31, vb1, DT) + _mm(X32, vb2, DT) + _mm(X33, vb3, DT))
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV)
+    _store_rows(W_ptr, rows, row_ok, head, HV, kcols, DK,
+                _mm(X, (strength * tl.exp(tl.cumsum(g, axis=0)))[:, None] * k, DT))
+    _store_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV, _mm(X, strength[:, None] * v, DT))
 
 
 @triton.jit
@@ -368,9 +393,14 @@ def _chunk_pass(q, k, values, g, strength, state, layout, update, scale, mode, o
     if delta:
         W = torch.empty(L, HV, Dk, device=q.device, dtype=q.dtype)
         U0, U = torch.empty(2, L, HV, Dv, device=q.device, dtype=q.dtype)
+        X = torch.empty(L, HV, chunk_size, device=q.device, dtype=q.dtype)
+        tables = (cu_seqlens, chunk_seq, chunk_offsets)
+        _chunk_inverse_kernel[(layout.num_chunks, HV)](
+            k, g, strength, *tables, X, layout.T, layout.NT, HV, HV // H, Dk,
+            BC=chunk_size, BLOCK=BLOCK, BK=BK, DT=DT, VARLEN=layout.varlen, num_warps=2)
         _chunk_wy_kernel[(layout.num_chunks, HV)](
-            k, values, g, strength, cu_seqlens, chunk_seq, chunk_offsets, W, U0, **shape,
-            BC=chunk_size, BLOCK=BLOCK, BK=BK, BV=BV_full, DT=DT, VARLEN=layout.varlen, num_warps=warps)
+            k, values, g, strength, X, *tables, W, U0, **shape,
+            BC=chunk_size, BK=BK, BV=BV_full, DT=DT, VARLEN=layout.varlen, num_warps=warps)
     h = torch.empty(layout.num_chunks, HV, Dk, Dv, device=q.device, dtype=q.dtype)
     # Few sequence-heads leave SMs idle in the sequential state kernel: narrower value tiles then.
     BV_state = min(BV_full, 64 if layout.num_sequences * HV >= 128 else 32)
