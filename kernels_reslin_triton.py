@@ -90,18 +90,19 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 # Chunked forward (DESIGN.md section 1, "Chunked form"). The tokens of every sequence lie one
 # after another ([L tokens, heads, dim]); chunks of BC tokens never straddle two sequences, and
 # the rows of a short tail chunk load as zeros (g = 0, strength b = 0, k = 0), which neither
-# decay nor write any state. One pass over a state is four kernels (two for the additive rule):
+# decay nor write any state. Four kernels (two for the additive rule), each serving every rule:
 #   _chunk_inverse_kernel (delta rule), every chunk at once: T^-1 from 16 x 16 blocks,
-#       T = I + strictly_lower(diag(b) e^(G_i - G_j) K K^T); few warps suit its small tiles;
+#       T = I + diag(b) strictly_lower(e^(G_i - G_j) K K^T), for S and, with the residual state,
+#       for R from the same Gram matrix; few warps suit its small tiles;
 #   _chunk_wy_kernel (delta rule), every chunk at once: the WY terms
 #       W = T^-1 diag(b e^G) K and U0 = T^-1 diag(b) V, as full-chunk tensor-core dots;
 #   _chunk_state_kernel, chunk after chunk for one (sequence, value head, value tile): stores the
-#       chunk-start state h, the chunk's writes U = U0 - W h (the additive rule writes U = diag(b) V)
-#       and moves on to S = e^(G_last) h + (e^(G_last - G) K)^T U;
-#   _chunk_output_kernel, every chunk at once: o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U.
-# The residual rules run two passes. The base pass reads exclusively (a_t S_{t-1}^T q_t), forms
-# pred_t = S_{t-1}^T k_t the same way and writes the clipped residual, the residual pass's values;
-# the residual pass's output adds gamma times its own read to the base read.
+#       chunk-start states h and the chunk's writes U = U0 - W h (the additive rule writes
+#       U = diag(b) V) and moves on to S = e^(G_last) h + (e^(G_last - G) K)^T U. The residual
+#       rules advance R in the same loop: pred_t = S_{t-1}^T k_t and the clipped residual never
+#       leave registers, only R's writes and chunk-start states are stored;
+#   _chunk_output_kernel, every chunk at once: o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U,
+#       for the residual rules the exclusive base read plus gamma times R's read.
 # Precision: states, decays and the inverse's blocks in fp32 (merged with tf32 dots for bf16/fp16
 # inputs); the large dots take their operands in the input dtype (bf16/fp16 tensor cores, fp32
 # accumulation); everything is exact fp32 ("ieee") for fp32 inputs. T^-1, W, U0, U and h are
@@ -111,8 +112,6 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 CHUNK_SIZE = 64
 BLOCK = 16  # T^-1 is built from BLOCK x BLOCK blocks: CHUNK_SIZE = 4 * BLOCK
 
-# What the output kernel writes: o; the base read and the residual; the base read plus gamma times o.
-PLAIN, BASE, COMBINE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -173,26 +172,24 @@ def _mm_fp32(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def _key_block(k_ptr, g_ptr, strength_ptr, first_row, end, head, HV, GROUP, DK, G_before,
-               BLOCK: tl.constexpr, BK: tl.constexpr):
-    """One BLOCK-row block of a chunk: its rows, keys, strength b and cumulative log decay G
-    (continuing G_before), and G at its last row."""
+def _key_block(k_ptr, g_ptr, first_row, end, head, HV, GROUP, DK, G_before, BLOCK: tl.constexpr, BK: tl.constexpr):
+    """One BLOCK-row block of a chunk: its rows, keys and cumulative log decay G (continuing
+    G_before), and G at its last row."""
     rows = first_row + tl.arange(0, BLOCK)
     row_ok = rows < end
     g = _token_scalars(g_ptr, rows, row_ok, head, HV)
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, tl.arange(0, BK), DK)
-    strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
-    return rows, row_ok, k, strength, G_before + tl.cumsum(g, axis=0), G_before + tl.sum(g, axis=0)
+    return rows, row_ok, k, G_before + tl.cumsum(g, axis=0), G_before + tl.sum(g, axis=0)
 
 
 @triton.jit
-def _gram_block(k_i, k_j, G_i, G_j, strength_i, DIAGONAL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
-    """Block (i, j) of diag(b) e^(G_i - G_j) K K^T, strictly lower on the diagonal."""
+def _decayed_gram(k_i, k_j, G_i, G_j, DIAGONAL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
+    """Block (i, j) of e^(G_i - G_j) K K^T, strictly lower on the diagonal."""
     log_decay = G_i[:, None] - G_j[None, :]
     if DIAGONAL:
         r = tl.arange(0, BLOCK)
         log_decay = tl.where(r[:, None] > r[None, :], log_decay, float("-inf"))
-    return strength_i[:, None] * tl.exp(log_decay) * _mm(k_i, tl.trans(k_j), DT)
+    return tl.exp(log_decay) * _mm(k_i, tl.trans(k_j), DT)
 
 
 @triton.jit
@@ -208,36 +205,27 @@ def _invert_unit_lower(A, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _chunk_inverse_kernel(k_ptr, g_ptr, strength_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, X_ptr,
-                          T, NT, HV, GROUP, DK, BC: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
-                          DT: tl.constexpr, VARLEN: tl.constexpr):
-    """X = T^-1 of a chunk, by blocks: X_ii = (I + A_ii)^-1 and X_ij = -X_ii sum_{j <= m < i} A_im X_mj,
-    stored as rows [token, head, position in the chunk] (blocks above the diagonal left unwritten)."""
-    chunk, head = tl.program_id(0), tl.program_id(1)
-    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
-    fixed = (end, head, HV, GROUP, DK)
-    rows0, ok0, k0, b0, G0, G_end = _key_block(k_ptr, g_ptr, strength_ptr, start, *fixed, 0.0, BLOCK, BK)
-    rows1, ok1, k1, b1, G1, G_end = _key_block(k_ptr, g_ptr, strength_ptr, start + BLOCK, *fixed, G_end, BLOCK, BK)
-    rows2, ok2, k2, b2, G2, G_end = _key_block(k_ptr, g_ptr, strength_ptr, start + 2 * BLOCK, *fixed, G_end,
-                                               BLOCK, BK)
-    rows3, ok3, k3, b3, G3, G_end = _key_block(k_ptr, g_ptr, strength_ptr, start + 3 * BLOCK, *fixed, G_end,
-                                               BLOCK, BK)
-    X00 = _invert_unit_lower(_gram_block(k0, k0, G0, G0, b0, True, BLOCK, DT), BLOCK)
-    X11 = _invert_unit_lower(_gram_block(k1, k1, G1, G1, b1, True, BLOCK, DT), BLOCK)
-    X22 = _invert_unit_lower(_gram_block(k2, k2, G2, G2, b2, True, BLOCK, DT), BLOCK)
-    X33 = _invert_unit_lower(_gram_block(k3, k3, G3, G3, b3, True, BLOCK, DT), BLOCK)
-    A10 = _gram_block(k1, k0, G1, G0, b1, False, BLOCK, DT)
-    A20 = _gram_block(k2, k0, G2, G0, b2, False, BLOCK, DT)
-    A21 = _gram_block(k2, k1, G2, G1, b2, False, BLOCK, DT)
-    A30 = _gram_block(k3, k0, G3, G0, b3, False, BLOCK, DT)
-    A31 = _gram_block(k3, k1, G3, G1, b3, False, BLOCK, DT)
-    A32 = _gram_block(k3, k2, G3, G2, b3, False, BLOCK, DT)
-    X10 = -_mm_fp32(X11, _mm_fp32(A10, X00, DT), DT)
-    X21 = -_mm_fp32(X22, _mm_fp32(A21, X11, DT), DT)
-    X20 = -_mm_fp32(X22, _mm_fp32(A20, X00, DT) + _mm_fp32(A21, X10, DT), DT)
-    X32 = -_mm_fp32(X33, _mm_fp32(A32, X22, DT), DT)
-    X31 = -_mm_fp32(X33, _mm_fp32(A31, X11, DT) + _mm_fp32(A32, X21, DT), DT)
-    X30 = -_mm_fp32(X33, _mm_fp32(A30, X00, DT) + _mm_fp32(A31, X10, DT) + _mm_fp32(A32, X20, DT), DT)
+def _store_inverse(M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, strength_ptr, X_ptr,
+                   rows0, ok0, rows1, ok1, rows2, ok2, rows3, ok3, head, HV, BC: tl.constexpr,
+                   BLOCK: tl.constexpr, DT: tl.constexpr):
+    """X = T^-1, T = I + diag(b) M (M: the blocks of the decayed Gram matrix), by blocks:
+    X_ii = (I + A_ii)^-1 and X_ij = -X_ii sum_{j <= m < i} A_im X_mj. Stored as rows [token,
+    head, position in the chunk]; blocks above the diagonal are left unwritten."""
+    b0 = _token_scalars(strength_ptr, rows0, ok0, head, HV)[:, None]
+    b1 = _token_scalars(strength_ptr, rows1, ok1, head, HV)[:, None]
+    b2 = _token_scalars(strength_ptr, rows2, ok2, head, HV)[:, None]
+    b3 = _token_scalars(strength_ptr, rows3, ok3, head, HV)[:, None]
+    X00 = _invert_unit_lower(b0 * M00, BLOCK)
+    X11 = _invert_unit_lower(b1 * M11, BLOCK)
+    X22 = _invert_unit_lower(b2 * M22, BLOCK)
+    X33 = _invert_unit_lower(b3 * M33, BLOCK)
+    X10 = -_mm_fp32(X11, _mm_fp32(b1 * M10, X00, DT), DT)
+    X21 = -_mm_fp32(X22, _mm_fp32(b2 * M21, X11, DT), DT)
+    X20 = -_mm_fp32(X22, _mm_fp32(b2 * M20, X00, DT) + _mm_fp32(b2 * M21, X10, DT), DT)
+    X32 = -_mm_fp32(X33, _mm_fp32(b3 * M32, X22, DT), DT)
+    X31 = -_mm_fp32(X33, _mm_fp32(b3 * M31, X11, DT) + _mm_fp32(b3 * M32, X21, DT), DT)
+    X30 = -_mm_fp32(X33, _mm_fp32(b3 * M30, X00, DT) + _mm_fp32(b3 * M31, X10, DT) + _mm_fp32(b3 * M32, X20, DT),
+                    DT)
     c = tl.arange(0, BLOCK)
     _store_rows(X_ptr, rows0, ok0, head, HV, c, BC, X00)
     _store_rows(X_ptr, rows1, ok1, head, HV, c, BC, X10)
@@ -252,31 +240,82 @@ def _chunk_inverse_kernel(k_ptr, g_ptr, strength_ptr, cu_seqlens_ptr, chunk_seq_
 
 
 @triton.jit
-def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, X_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr,
-                     W_ptr, U0_ptr, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, DT: tl.constexpr, VARLEN: tl.constexpr):
-    """The WY terms W = X diag(b e^G) K and U0 = X diag(b) V of a chunk."""
+def _chunk_inverse_kernel(k_ptr, g_ptr, strength_ptr, residual_strength_ptr, cu_seqlens_ptr, chunk_seq_ptr,
+                          chunk_offsets_ptr, X_ptr, X_residual_ptr, T, NT, HV, GROUP, DK, BC: tl.constexpr,
+                          BLOCK: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, RESIDUAL: tl.constexpr,
+                          VARLEN: tl.constexpr):
+    """T^-1 of a chunk for S (write strength beta) and, with the residual state, for R (its write
+    strength): both from one decayed Gram matrix."""
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    fixed = (end, head, HV, GROUP, DK)
+    rows0, ok0, k0, G0, G_end = _key_block(k_ptr, g_ptr, start, *fixed, 0.0, BLOCK, BK)
+    rows1, ok1, k1, G1, G_end = _key_block(k_ptr, g_ptr, start + BLOCK, *fixed, G_end, BLOCK, BK)
+    rows2, ok2, k2, G2, G_end = _key_block(k_ptr, g_ptr, start + 2 * BLOCK, *fixed, G_end, BLOCK, BK)
+    rows3, ok3, k3, G3, G_end = _key_block(k_ptr, g_ptr, start + 3 * BLOCK, *fixed, G_end, BLOCK, BK)
+    gram = (_decayed_gram(k0, k0, G0, G0, True, BLOCK, DT),
+            _decayed_gram(k1, k0, G1, G0, False, BLOCK, DT), _decayed_gram(k1, k1, G1, G1, True, BLOCK, DT),
+            _decayed_gram(k2, k0, G2, G0, False, BLOCK, DT), _decayed_gram(k2, k1, G2, G1, False, BLOCK, DT),
+            _decayed_gram(k2, k2, G2, G2, True, BLOCK, DT),
+            _decayed_gram(k3, k0, G3, G0, False, BLOCK, DT), _decayed_gram(k3, k1, G3, G1, False, BLOCK, DT),
+            _decayed_gram(k3, k2, G3, G2, False, BLOCK, DT), _decayed_gram(k3, k3, G3, G3, True, BLOCK, DT))
+    blocks = (rows0, ok0, rows1, ok1, rows2, ok2, rows3, ok3, head, HV)
+    _store_inverse(*gram, strength_ptr, X_ptr, *blocks, BC, BLOCK, DT)
+    if RESIDUAL:
+        _store_inverse(*gram, residual_strength_ptr, X_residual_ptr, *blocks, BC, BLOCK, DT)
+
+
+@triton.jit
+def _load_inverse(X_ptr, rows, row_ok, head, HV, BC: tl.constexpr):
+    r = tl.arange(0, BC)
+    return tl.where(r[:, None] >= r[None, :], _load_rows(X_ptr, rows, row_ok, head, HV, r, BC), 0.0)
+
+
+@triton.jit
+def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X_ptr, X_residual_ptr,
+                     cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, W_ptr, U0_ptr, W_residual_ptr,
+                     T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     DT: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
+    """The WY terms of a chunk: W = X diag(b e^G) K and U0 = X diag(b) V for S, and W for R
+    (R's U0 needs the residual, which the state kernel forms)."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     rows = start + tl.arange(0, BC)
     row_ok = rows < end
-    r = tl.arange(0, BC)
-    X = tl.where(r[:, None] >= r[None, :], _load_rows(X_ptr, rows, row_ok, head, HV, r, BC), 0.0)
-    g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+    decay = tl.exp(tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0))
     strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
     kcols, vcols = tl.arange(0, BK), tl.arange(0, BV)
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV)
-    _store_rows(W_ptr, rows, row_ok, head, HV, kcols, DK,
-                _mm(X, (strength * tl.exp(tl.cumsum(g, axis=0)))[:, None] * k, DT))
+    X = _load_inverse(X_ptr, rows, row_ok, head, HV, BC)
+    _store_rows(W_ptr, rows, row_ok, head, HV, kcols, DK, _mm(X, (strength * decay)[:, None] * k, DT))
     _store_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV, _mm(X, strength[:, None] * v, DT))
+    if RESIDUAL:
+        residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
+        X = _load_inverse(X_residual_ptr, rows, row_ok, head, HV, BC)
+        _store_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK,
+                    _mm(X, (residual_strength * decay)[:, None] * k, DT))
 
 
 @triton.jit
-def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, state_ptr,
-                        cu_seqlens_ptr, chunk_offsets_ptr, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
+def _state_tile(seq_head, kcols, vcols, DK, DV):
+    """Offsets and mask of a [BK, BV] tile of state number seq_head."""
+    offsets = seq_head.to(tl.int64) * DK * DV + kcols[:, None] * DV + vcols[None, :]
+    ok = (kcols < DK)[:, None] & (vcols < DV)[None, :]
+    return offsets, ok
+
+
+@triton.jit
+def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr,
+                        X_residual_ptr, W_residual_ptr, U_residual_ptr, h_residual_ptr, S_ptr, R_ptr,
+                        cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
-                        VARLEN: tl.constexpr):
+                        RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
+    """Chunk after chunk of one (sequence, value head, value tile): stores the chunk-start states
+    h (and h of R) and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed where
+    read), then S = e^(G_last) h + (e^(G_last - G) K)^T U. With the residual state it also forms
+    pred_t = S_{t-1}^T k_t, the clipped residual r, R's writes U0 - W h_R with U0 = X diag(b) r
+    (every step is column-separable: the value tile never needs the others), and advances R."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     if VARLEN:
@@ -287,35 +326,59 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
         eos = bos + T
         chunk = (seq * NT).to(tl.int64)
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
     tile = kcols[:, None] * DV + vcols[None, :]
-    tile_ok = (kcols < DK)[:, None] & (vcols < DV)[None, :]
-    state_offsets = seq_head.to(tl.int64) * DK * DV + tile
-    S = tl.load(state_ptr + state_offsets, mask=tile_ok, other=0.0)
+    S = tl.load(S_ptr + state_offsets, mask=tile_ok, other=0.0)
+    if RESIDUAL:
+        R = tl.load(R_ptr + state_offsets, mask=tile_ok, other=0.0)
+    r = tl.arange(0, BC)
+    strictly_below = r[:, None] > r[None, :]
     for start in range(bos, eos, BC):
-        tl.store(h_ptr + (chunk * HV + head) * DK * DV + tile, S.to(DT), mask=tile_ok)
-        rows = start + tl.arange(0, BC)
+        h_offsets = (chunk * HV + head) * DK * DV + tile
+        tl.store(h_ptr + h_offsets, S.to(DT), mask=tile_ok)
+        rows = start + r
         row_ok = rows < eos
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+        G = tl.cumsum(g, axis=0)
+        G_last = tl.sum(g, axis=0)  # padded rows add 0: the last real token's cumulative decay
+        k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
         if DELTA:
             W = _load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)
             U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32) - _mm(W, S, DT)
             _store_rows(U_ptr, rows, row_ok, head, HV, vcols, DV, U)
         else:
-            strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
-            U = strength[:, None] * _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        G = tl.cumsum(g, axis=0)
-        G_last = tl.sum(g, axis=0)  # padded rows add 0: the last real token's cumulative decay
-        k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-        S = tl.exp(G_last) * S + _mm(tl.trans(tl.exp(G_last - G)[:, None] * k), U, DT)
+            U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
+        k_to_chunk_end = tl.trans(tl.exp(G_last - G)[:, None] * k)
+        if RESIDUAL:
+            tl.store(h_residual_ptr + h_offsets, R.to(DT), mask=tile_ok)
+            # pred_t = S_{t-1}^T k_t: decay e^(G_{t-1} - G_j), computed directly, never divided by a_t.
+            G_prev = G - g
+            attend = tl.exp(tl.where(strictly_below, G_prev[:, None] - G[None, :], float("-inf")))
+            pred = tl.exp(G_prev)[:, None] * _mm(k, S, DT) + _mm(attend * _mm(k, tl.trans(k), DT), U, DT)
+            residual = tl.minimum(tl.maximum(v - pred, -clip), clip)
+            U_residual = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
+            if DELTA:
+                X = _load_inverse(X_residual_ptr, rows, row_ok, head, HV, BC)
+                W = _load_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK)
+                U_residual = _mm(X, U_residual, DT) - _mm(W, R, DT)
+            _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, U_residual)
+            R = tl.exp(G_last) * R + _mm(k_to_chunk_end, U_residual, DT)
+        S = tl.exp(G_last) * S + _mm(k_to_chunk_end, U, DT)
         chunk += 1
-    tl.store(state_ptr + state_offsets, S, mask=tile_ok)
+    tl.store(S_ptr + state_offsets, S, mask=tile_ok)
+    if RESIDUAL:
+        tl.store(R_ptr + state_offsets, R, mask=tile_ok)
 
 
 @triton.jit
-def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr, gamma_ptr, base_ptr, out_ptr,
-                         cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, clip, T, NT, HV, GROUP, DK, DV,
-                         BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-                         DELTA: tl.constexpr, MODE: tl.constexpr, VARLEN: tl.constexpr):
+def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr, gamma_ptr, U_residual_ptr,
+                         h_residual_ptr, o_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale,
+                         T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         DT: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
+    """o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U for every chunk at once. With the residual
+    state the base read is exclusive (a_t S_{t-1}^T q_t) and R's inclusive read, scaled by
+    gamma, is added; both share Q K^T."""
     value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     rows = start + tl.arange(0, BC)
@@ -323,36 +386,28 @@ def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr,
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
     q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-    g = _token_scalars(g_ptr, rows, row_ok, head, HV)
-    G = tl.cumsum(g, axis=0)
-    tile_ok = (kcols < DK)[:, None] & (vcols < DV)[None, :]
-    h = tl.load(h_ptr + (chunk.to(tl.int64) * HV + head) * DK * DV + kcols[:, None] * DV + vcols[None, :],
-                mask=tile_ok, other=0.0)
+    G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
+    h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
     if DELTA:
         U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
     else:
-        strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
-        U = strength[:, None] * _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
+            _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
     r = tl.arange(0, BC)
-    strictly_below = r[:, None] > r[None, :]
-    # The base pass of a residual rule reads S_{t-1} (exclusive), every other pass S_t.
-    read_mask = strictly_below if MODE == BASE else r[:, None] >= r[None, :]
-    attend = tl.exp(tl.where(read_mask, G[:, None] - G[None, :], float("-inf"))) * _mm(q, tl.trans(k), DT)
-    o = scale * (tl.exp(G)[:, None] * _mm(q, h, DT) + _mm(attend, U, DT))
-    if MODE == PLAIN:
-        _store_rows(out_ptr, rows, row_ok, head, HV, vcols, DV, o)
-    if MODE == BASE:
-        _store_rows(base_ptr, rows, row_ok, head, HV, vcols, DV, o)
-        # pred_t = S_{t-1}^T k_t: decay e^(G_{t-1} - G_j), computed directly, never divided by a_t.
-        G_prev = G - g
-        attend = tl.exp(tl.where(strictly_below, G_prev[:, None] - G[None, :], float("-inf"))) * _mm(k, tl.trans(k), DT)
-        pred = tl.exp(G_prev)[:, None] * _mm(k, h, DT) + _mm(attend, U, DT)
-        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        _store_rows(out_ptr, rows, row_ok, head, HV, vcols, DV, tl.minimum(tl.maximum(v - pred, -clip), clip))
-    if MODE == COMBINE:
+    attend = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf"))) * \
+        _mm(q, tl.trans(k), DT)
+    q_decayed = tl.exp(G)[:, None]
+    if RESIDUAL:
+        o = q_decayed * _mm(q, tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0), DT) + \
+            _mm(tl.where(r[:, None] > r[None, :], attend, 0.0), U, DT)
         gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
-        base = _load_rows(base_ptr, rows, row_ok, head, HV, vcols, DV)
-        _store_rows(out_ptr, rows, row_ok, head, HV, vcols, DV, base + gamma[:, None] * o)
+        U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV)
+        residual_read = q_decayed * _mm(q, tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0), DT) + \
+            _mm(attend, U_residual, DT)
+        o = o + gamma[:, None] * residual_read
+    else:
+        o = q_decayed * _mm(q, tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0), DT) + _mm(attend, U, DT)
+    _store_rows(o_ptr, rows, row_ok, head, HV, vcols, DV, scale * o)
 
 
 class _ChunkLayout:
@@ -372,47 +427,6 @@ class _ChunkLayout:
             self.num_sequences, self.num_chunks = B, B * self.NT
             self.cu_seqlens = self.chunk_offsets = self.chunk_seq = torch.empty(1, device=device, dtype=torch.int64)
 
-    def tables(self):
-        return self.cu_seqlens, self.chunk_seq, self.chunk_offsets
-
-
-def _chunk_pass(q, k, values, g, strength, state, layout, update, scale, mode, out, base=None, gamma=None,
-                clip=1.0, chunk_size=CHUNK_SIZE):
-    """One state's pass over packed tokens q, k [L, H, Dk], values [L, HV, Dv], g, strength
-    [L, HV]; state [N, HV, Dk, Dv] fp32 is advanced in place. Writes `out` (and `base`), see
-    PLAIN / BASE / COMBINE."""
-    L, H, Dk = q.shape
-    HV, Dv = values.shape[1:]
-    delta = update == "delta"
-    DT = TRITON_DTYPES[q.dtype]
-    cu_seqlens, chunk_seq, chunk_offsets = layout.tables()
-    shape = dict(T=layout.T, NT=layout.NT, HV=HV, GROUP=HV // H, DK=Dk, DV=Dv)
-    BK, BV_full = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
-    warps = 4 if BK <= 128 else 8
-    U0 = W = U = values  # the additive rule writes diag(b) V, recomputed where it is read
-    if delta:
-        W = torch.empty(L, HV, Dk, device=q.device, dtype=q.dtype)
-        U0, U = torch.empty(2, L, HV, Dv, device=q.device, dtype=q.dtype)
-        X = torch.empty(L, HV, chunk_size, device=q.device, dtype=q.dtype)
-        tables = (cu_seqlens, chunk_seq, chunk_offsets)
-        _chunk_inverse_kernel[(layout.num_chunks, HV)](
-            k, g, strength, *tables, X, layout.T, layout.NT, HV, HV // H, Dk,
-            BC=chunk_size, BLOCK=BLOCK, BK=BK, DT=DT, VARLEN=layout.varlen, num_warps=2)
-        _chunk_wy_kernel[(layout.num_chunks, HV)](
-            k, values, g, strength, X, *tables, W, U0, **shape,
-            BC=chunk_size, BK=BK, BV=BV_full, DT=DT, VARLEN=layout.varlen, num_warps=warps)
-    h = torch.empty(layout.num_chunks, HV, Dk, Dv, device=q.device, dtype=q.dtype)
-    # Few sequence-heads leave SMs idle in the sequential state kernel: narrower value tiles then.
-    BV_state = min(BV_full, 64 if layout.num_sequences * HV >= 128 else 32)
-    _chunk_state_kernel[(triton.cdiv(Dv, BV_state), layout.num_sequences * HV)](
-        k, values, g, strength, W, U0, U, h, state, cu_seqlens, chunk_offsets, **shape,
-        BC=chunk_size, BK=BK, BV=BV_state, DT=DT, DELTA=delta, VARLEN=layout.varlen, num_warps=warps)
-    BV = min(BV_full, 64)
-    _chunk_output_kernel[(triton.cdiv(Dv, BV), layout.num_chunks, HV)](
-        q, k, values, g, strength, U, h, gamma if gamma is not None else g, base if base is not None else out, out,
-        cu_seqlens, chunk_seq, chunk_offsets, scale, clip, **shape,
-        BC=chunk_size, BK=BK, BV=BV, DT=DT, DELTA=delta, MODE=mode.value, VARLEN=layout.varlen, num_warps=warps)
-
 
 def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
                   chunk_size=CHUNK_SIZE):
@@ -420,18 +434,45 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
     kernels_reslin_torch.chunk_reslin: returns (o in v's dtype, S, R) with fp32 states."""
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
+    L = B * T
     layout = _ChunkLayout(B, T, cu_seqlens, q.device, chunk_size)
-    flat = lambda x: None if x is None else x.reshape(B * T, *x.shape[2:]).contiguous()  # noqa: E731
+    flat = lambda x: None if x is None else x.reshape(L, *x.shape[2:]).contiguous()  # noqa: E731
     q, k, v, g, beta, gamma, gamma_write = map(flat, (q, k, v, g, beta, gamma, gamma_write))
+    residual, delta = gamma is not None, update == "delta"
+    empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=q.dtype)  # noqa: E731
     S = S0.clone(memory_format=torch.contiguous_format)
+    R = R0.clone(memory_format=torch.contiguous_format) if residual else S
+    h = empty(layout.num_chunks, HV, Dk, Dv)
+    h_residual, U_residual = (empty(layout.num_chunks, HV, Dk, Dv), empty(L, HV, Dv)) if residual else (h, v)
+    # Unused pointers point at a real tensor; the kernels never read them.
+    X = X_residual = W = W_residual = U0 = U = v
+    gamma_write = gamma_write if residual else beta
+    tables = (layout.cu_seqlens, layout.chunk_seq, layout.chunk_offsets)
+    shape = dict(T=layout.T, NT=layout.NT, HV=HV, GROUP=HV // H, DK=Dk, DV=Dv)
+    BK, BV_full = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
+    DT = TRITON_DTYPES[q.dtype]
+    warps = 4 if BK <= 128 else 8
+    if delta:
+        X, W, U0, U = empty(L, HV, chunk_size), empty(L, HV, Dk), empty(L, HV, Dv), empty(L, HV, Dv)
+        if residual:
+            X_residual, W_residual = empty(L, HV, chunk_size), empty(L, HV, Dk)
+        _chunk_inverse_kernel[(layout.num_chunks, HV)](
+            k, g, beta, gamma_write, *tables, X, X_residual, layout.T, layout.NT, HV, HV // H, Dk,
+            BC=chunk_size, BLOCK=BLOCK, BK=BK, DT=DT, RESIDUAL=residual, VARLEN=layout.varlen, num_warps=2)
+        _chunk_wy_kernel[(layout.num_chunks, HV)](
+            k, v, g, beta, gamma_write, X, X_residual, *tables, W, U0, W_residual, **shape,
+            BC=chunk_size, BK=BK, BV=BV_full, DT=DT, RESIDUAL=residual, VARLEN=layout.varlen, num_warps=warps)
+    # Few sequence-heads leave SMs idle in the sequential state kernel: narrower value tiles then.
+    BV_state = min(BV_full, 64 if layout.num_sequences * HV >= 128 else 32)
+    _chunk_state_kernel[(triton.cdiv(Dv, BV_state), layout.num_sequences * HV)](
+        k, v, g, beta, gamma_write, W, U0, U, h, X_residual, W_residual, U_residual, h_residual, S, R,
+        layout.cu_seqlens, layout.chunk_offsets, clip, **shape,
+        BC=chunk_size, BK=BK, BV=BV_state, DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=layout.varlen,
+        num_warps=warps)
     o = torch.empty_like(v)
-    common = dict(layout=layout, update=update, scale=scale, chunk_size=chunk_size)
-    if gamma is None:
-        _chunk_pass(q, k, v, g, beta, S, mode=PLAIN, out=o, **common)
-        return o.reshape(B, T, HV, Dv), S, None
-    base_read = torch.empty(B * T, HV, Dv, device=q.device, dtype=torch.float32)
-    residual = torch.empty_like(v)
-    _chunk_pass(q, k, v, g, beta, S, mode=BASE, out=residual, base=base_read, clip=clip, **common)
-    R = R0.clone(memory_format=torch.contiguous_format)
-    _chunk_pass(q, k, residual, g, gamma_write, R, mode=COMBINE, out=o, base=base_read, gamma=gamma, **common)
-    return o.reshape(B, T, HV, Dv), S, R
+    BV = min(BV_full, 64)
+    _chunk_output_kernel[(triton.cdiv(Dv, BV), layout.num_chunks, HV)](
+        q, k, v, g, beta, U, h, gamma if residual else g, U_residual, h_residual, o, *tables, scale, **shape,
+        BC=chunk_size, BK=BK, BV=BV, DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=layout.varlen,
+        num_warps=warps)
+    return o.reshape(B, T, HV, Dv), S, (R if residual else None)
