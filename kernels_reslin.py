@@ -16,8 +16,8 @@ with a_t = exp(g_t). KLA is the delta rule with b_t = eta_t / (||k_t||^2 + eps),
 the caller. RKLA gives its residual state the Kaczmarz step too: it writes R with
 gamma_write = gamma_t / (||k_t||^2 + eps) and reads it with gamma_t (see reslin_attention).
 Backends: "recurrent" (per-token fp32 reference), "torch" (chunked, fp32 accumulation),
-"triton" (forward only: the one-token decode kernel, and the chunked forward for head sizes
-that are multiples of 16), "auto" (Triton where it applies: CUDA and no gradient; "torch"
+"triton" (the one-token decode kernel; the chunked forward for head sizes that are multiples
+of 16, with a backward for the rules without the residual state), "auto" (Triton where it applies: CUDA and no gradient; "torch"
 elsewhere). ``reslin_decode_step`` advances a generation cache's states in place by one token.
 """
 
@@ -32,13 +32,15 @@ except ImportError:
     from kernels_reslin_torch import chunk_reslin, recurrent_reslin
 try:
     try:
+        from .kernels_reslin_triton import ChunkFunction as TritonChunkFunction
         from .kernels_reslin_triton import chunk_forward as triton_chunk_forward
         from .kernels_reslin_triton import decode_step as triton_decode_step
     except ImportError:
+        from kernels_reslin_triton import ChunkFunction as TritonChunkFunction
         from kernels_reslin_triton import chunk_forward as triton_chunk_forward
         from kernels_reslin_triton import decode_step as triton_decode_step
 except ImportError:  # no Triton installed: the "torch" backend serves everywhere
-    triton_chunk_forward = triton_decode_step = None
+    TritonChunkFunction = triton_chunk_forward = triton_decode_step = None
 
 UPDATE_RULES = ("delta", "additive")
 BACKENDS = ("auto", "torch", "triton", "recurrent")
@@ -130,7 +132,7 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
     """
     _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend)
     backend = _resolve_backend(backend, q, v, cu_seqlens, q, k, v, g, beta, gamma, gamma_write,
-                               *(initial_state or ()))
+                               *(initial_state or ()), residual=gamma is not None)
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -159,7 +161,8 @@ def reslin_decode_step(q, k, v, g, beta, state, gamma=None, gamma_write=None, up
     for name, x in (("S", S), ("R", R)):
         if x is not None and (x.dtype != torch.float32 or not x.is_contiguous()):
             raise ValueError(f"state {name} must be a contiguous fp32 tensor, got {x.dtype}")
-    backend = _resolve_backend(backend, q, v, None, q, k, v, g, beta, gamma, gamma_write, S, R)
+    backend = _resolve_backend(backend, q, v, None, q, k, v, g, beta, gamma, gamma_write, S, R,
+                               residual=gamma is not None)
     o, S_next, R_next = _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S, R, None)
     if S_next is not S:  # the torch backends return new states; the Triton kernel wrote in place
         S.copy_(S_next)
@@ -177,6 +180,9 @@ def _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
         gamma_write = gamma
     if scale is None:
         scale = Dk ** -0.5
+    if backend == "triton" and _needs_grad(q, k, v, g, beta, S0):  # _resolve_backend refused the residual rules
+        o, S = TritonChunkFunction.apply(q, k, v, g, beta, S0, update, scale, cu_seqlens)
+        return o, S, None
     if backend == "triton" and q.shape[1] == 1 and cu_seqlens is None:
         o = triton_decode_step(q, k, v, g, beta, gamma, gamma_write, S0, R0, update, float(clip), scale)
         return o, S0, R0
@@ -190,10 +196,14 @@ def _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
     return o.to(v.dtype), S, R
 
 
-def _resolve_backend(backend, q, v, cu_seqlens, *tensors):
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
+def _resolve_backend(backend, q, v, cu_seqlens, *tensors, residual):
     """The concrete backend for this call: "auto" takes Triton where a Triton kernel applies.
     ``tensors``: every input and state, to tell whether autograd needs a backward."""
-    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    needs_grad = _needs_grad(*tensors)
     decode = q.shape[1] == 1 and cu_seqlens is None
     # The chunked kernels take head sizes in multiples of CHUNKED_HEAD_DIM_MULTIPLE: on the H200 a key
     # head size of 100 gave wrong outputs and illegal addresses (48, 64, 72, 80, 128, 256 were right).
@@ -207,9 +217,9 @@ def _resolve_backend(backend, q, v, cu_seqlens, *tensors):
         if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"backend='triton' runs on CUDA tensors (or in Triton's interpreter, "
                              f"TRITON_INTERPRET=1), got tensors on {q.device}")
-        if needs_grad:
-            raise NotImplementedError("the Triton backend has no backward yet (no gradient): use backend='torch' "
-                                      "or 'auto' for training")
+        if needs_grad and residual:
+            raise NotImplementedError("the Triton backward covers the rules without the residual state (sGLA, GDN, "
+                                      "KLA) so far: use backend='torch' or 'auto' to train RLA, RDN or RKLA")
         if not (decode or head_sizes_fit):
             raise ValueError(f"the chunked Triton forward takes head sizes that are multiples of "
                              f"{CHUNKED_HEAD_DIM_MULTIPLE}, got Dk = {q.shape[-1]}, Dv = {v.shape[-1]}: "

@@ -428,51 +428,260 @@ class _ChunkLayout:
             self.cu_seqlens = self.chunk_offsets = self.chunk_seq = torch.empty(1, device=device, dtype=torch.int64)
 
 
+class _ChunkRun:
+    """The inputs of one chunked call laid out as packed tokens, and everything the forward
+    computes before its outputs: T^-1, the WY terms, the chunk-start states h and the writes U.
+    The backward builds it again (recomputing is cheaper than keeping h) and reads it."""
+
+    def __init__(self, q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size):
+        B, T, H, Dk = q.shape
+        HV, Dv = v.shape[2:]
+        L = B * T
+        layout = self.layout = _ChunkLayout(B, T, cu_seqlens, q.device, chunk_size)
+        flat = lambda x: None if x is None else x.reshape(L, *x.shape[2:]).contiguous()  # noqa: E731
+        self.q, self.k, self.v, self.g, self.beta, self.gamma, gamma_write = map(
+            flat, (q, k, v, g, beta, gamma, gamma_write))
+        q, k, v, g, beta = self.q, self.k, self.v, self.g, self.beta
+        self.residual, self.delta = self.gamma is not None, update == "delta"
+        residual, delta = self.residual, self.delta
+        empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=q.dtype)  # noqa: E731
+        self.S = S0.clone(memory_format=torch.contiguous_format)
+        self.R = R0.clone(memory_format=torch.contiguous_format) if residual else self.S
+        self.h = empty(layout.num_chunks, HV, Dk, Dv)
+        self.h_residual, self.U_residual = ((empty(layout.num_chunks, HV, Dk, Dv), empty(L, HV, Dv))
+                                            if residual else (self.h, v))
+        # Unused pointers point at a real tensor; the kernels never read them.
+        self.X = X_residual = self.W = W_residual = U0 = self.U = v
+        gamma_write = gamma_write if residual else beta
+        self.tables = (layout.cu_seqlens, layout.chunk_seq, layout.chunk_offsets)
+        self.shape = dict(T=layout.T, NT=layout.NT, HV=HV, GROUP=HV // H, DK=Dk, DV=Dv)
+        self.BK, self.BV_full = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
+        self.DT = TRITON_DTYPES[q.dtype]
+        self.warps = 4 if self.BK <= 128 else 8
+        self.chunk_size = chunk_size
+        common = dict(BC=chunk_size, BK=self.BK, DT=self.DT, VARLEN=layout.varlen)
+        if delta:
+            self.X, self.W, U0, self.U = (empty(L, HV, chunk_size), empty(L, HV, Dk), empty(L, HV, Dv),
+                                          empty(L, HV, Dv))
+            if residual:
+                X_residual, W_residual = empty(L, HV, chunk_size), empty(L, HV, Dk)
+            _chunk_inverse_kernel[(layout.num_chunks, HV)](
+                k, g, beta, gamma_write, *self.tables, self.X, X_residual, layout.T, layout.NT, HV, HV // H, Dk,
+                BLOCK=BLOCK, RESIDUAL=residual, **common, num_warps=2)
+            _chunk_wy_kernel[(layout.num_chunks, HV)](
+                k, v, g, beta, gamma_write, self.X, X_residual, *self.tables, self.W, U0, W_residual, **self.shape,
+                BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
+        # Few sequence-heads leave SMs idle in the sequential state kernel: narrower value tiles then.
+        BV_state = min(self.BV_full, 64 if layout.num_sequences * HV >= 128 else 32)
+        _chunk_state_kernel[(triton.cdiv(Dv, BV_state), layout.num_sequences * HV)](
+            k, v, g, beta, gamma_write, self.W, U0, self.U, self.h, X_residual, W_residual, self.U_residual,
+            self.h_residual, self.S, self.R, layout.cu_seqlens, layout.chunk_offsets, clip, **self.shape,
+            BV=BV_state, DELTA=delta, RESIDUAL=residual, **common, num_warps=self.warps)
+
+    def output(self, scale):
+        o = torch.empty_like(self.v)
+        HV, Dv = self.v.shape[1:]
+        BV = min(self.BV_full, 64)
+        _chunk_output_kernel[(triton.cdiv(Dv, BV), self.layout.num_chunks, HV)](
+            self.q, self.k, self.v, self.g, self.beta, self.U, self.h, self.gamma if self.residual else self.g,
+            self.U_residual, self.h_residual, o, *self.tables, scale, **self.shape, BC=self.chunk_size, BK=self.BK,
+            BV=BV, DT=self.DT, DELTA=self.delta, RESIDUAL=self.residual, VARLEN=self.layout.varlen,
+            num_warps=self.warps)
+        return o
+
+
 def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
                   chunk_size=CHUNK_SIZE):
     """Forward of every rule over [B, T] or packed (cu_seqlens) sequences, the same contract as
     kernels_reslin_torch.chunk_reslin: returns (o in v's dtype, S, R) with fp32 states."""
+    run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size)
+    return run.output(scale).reshape(v.shape), run.S, (run.R if run.residual else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked backward of the rules without the residual state (sGLA, GDN, KLA). With dO and the
+# gradient dh' of a chunk's end state (the next chunk's start), the forward's pieces give:
+#   dU = e^(G_last - G) K dh' + scale * P^T dO,   P = mask_incl(Q K^T) e^(G_i - G_j),
+#   dh = e^(G_last) dh' + scale * (e^G Q)^T dO - W^T dU   (delta rule; no W term additive),
+# chunk after chunk backwards (_chunk_state_backward_kernel, one value tile a program, like the
+# forward's state kernel); then, every chunk at once (_chunk_grad_kernel), dq and dk from the
+# output and the state terms, and through U = U0 - W h with W = X diag(b e^G) K, U0 = X diag(b) V
+# and X = (I + A)^-1: dX = dU0 (diag(b) V)^T + dW (diag(b e^G) K)^T, dA = -X^T dX X^T (strictly
+# lower), A = diag(b) e^(G_i - G_j) K K^T. Every dependence on the cumulative decay G is
+# gathered as dG and turned into dg by a reverse cumulative sum within the chunk (G_last is G at
+# the chunk's last row, padding included).
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _chunk_state_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U_ptr, do_ptr, dS_ptr,
+                                 dh_next_ptr, dU_ptr, cu_seqlens_ptr, chunk_offsets_ptr, scale,
+                                 T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                 DT: tl.constexpr, DELTA: tl.constexpr, VARLEN: tl.constexpr):
+    """dS_ptr holds the final states' gradient on entry and the initial states' on exit."""
+    value_tile, seq_head = tl.program_id(0), tl.program_id(1)
+    seq, head = seq_head // HV, seq_head % HV
+    if VARLEN:
+        bos, eos = tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1)
+        first_chunk = tl.load(chunk_offsets_ptr + seq)
+    else:
+        bos = seq.to(tl.int64) * T
+        eos = bos + T
+        first_chunk = (seq * NT).to(tl.int64)
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
+    tile = kcols[:, None] * DV + vcols[None, :]
+    dh = tl.load(dS_ptr + state_offsets, mask=tile_ok, other=0.0)
+    r = tl.arange(0, BC)
+    num_chunks = tl.cdiv(eos - bos, BC)
+    for i in range(num_chunks):
+        index = num_chunks - 1 - i
+        chunk = first_chunk + index
+        tl.store(dh_next_ptr + (chunk * HV + head) * DK * DV + tile, dh, mask=tile_ok)
+        rows = bos + index * BC + r
+        row_ok = rows < eos
+        g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+        G = tl.cumsum(g, axis=0)
+        G_last = tl.sum(g, axis=0)
+        q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+        k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+        do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV)
+        attend = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf"))) * \
+            _mm(q, tl.trans(k), DT)
+        dU = tl.exp(G_last - G)[:, None] * _mm(k, dh, DT) + scale * _mm(tl.trans(attend), do, DT)
+        _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
+        dh = tl.exp(G_last) * dh + scale * _mm(tl.trans(tl.exp(G)[:, None] * q), do, DT)
+        if DELTA:
+            dh -= _mm(tl.trans(_load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)), dU, DT)
+    tl.store(dS_ptr + state_offsets, dh, mask=tile_ok)
+
+
+@triton.jit
+def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, X_ptr, U_ptr, h_ptr, do_ptr, dh_next_ptr, dU_ptr,
+                       dq_ptr, dk_ptr, dv_ptr, dg_ptr, dstrength_ptr, cu_seqlens_ptr, chunk_seq_ptr,
+                       chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, VARLEN: tl.constexpr):
+    """Per chunk and value head: dq, dk (per value head; the caller sums a key head's group),
+    dv, dg and the write strength's gradient."""
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    r = tl.arange(0, BC)
+    rows = start + r
+    row_ok = rows < end
+    kcols = tl.arange(0, BK)
+    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK).to(tl.float32)
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK).to(tl.float32)
+    g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+    strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
+    G = tl.cumsum(g, axis=0)
+    G_last = tl.sum(g, axis=0)
+    if DELTA:
+        X = _load_inverse(X_ptr, rows, row_ok, head, HV, BC).to(tl.float32)
+    dq_inter = tl.zeros([BC, BK], dtype=tl.float32)   # scale e^G dO h^T
+    dP = tl.zeros([BC, BC], dtype=tl.float32)         # scale dO U^T
+    dk_state = tl.zeros([BC, BK], dtype=tl.float32)   # U dh'^T: the gradient of e^(G_last - G) K
+    dW = tl.zeros([BC, BK], dtype=tl.float32)         # -dU h^T
+    dX = tl.zeros([BC, BC], dtype=tl.float32)         # dU (diag(b) V)^T
+    dstrength = tl.zeros([BC], dtype=tl.float32)
+    dG_last = 0.0
+    for value_start in range(0, DV, BV):
+        vcols = value_start + tl.arange(0, BV)
+        h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
+        h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
+        dh_next = tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
+        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        if DELTA:
+            U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+            dV_scaled = _mm(tl.trans(X), dU, DT)  # the gradient of diag(b) V
+            dW -= _mm(dU, tl.trans(h), DT)
+            dX += _mm(dU, tl.trans(strength[:, None] * v), DT)
+        else:
+            U = strength[:, None] * v
+            dV_scaled = dU
+        _store_rows(dv_ptr, rows, row_ok, head, HV, vcols, DV, strength[:, None] * dV_scaled)
+        dstrength += tl.sum(dV_scaled * v, axis=1)
+        dq_inter += scale * tl.exp(G)[:, None] * _mm(do, tl.trans(h), DT)
+        dP += scale * _mm(do, tl.trans(U), DT)
+        dk_state += _mm(U, tl.trans(dh_next), DT)
+        dG_last += tl.sum(tl.sum(dh_next * h, axis=1), axis=0)
+    dG_last = dG_last * tl.exp(G_last)
+    decay = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf")))
+    dS = dP * decay  # the gradient of Q K^T
+    attend_grad = dS * _mm(q, tl.trans(k), DT)  # the gradient of G_i - G_j in P
+    dG = tl.sum(dq_inter * q, axis=1) + tl.sum(attend_grad, axis=1) - tl.sum(attend_grad, axis=0)
+    dq = dq_inter + _mm(dS, k, DT)
+    dk = _mm(tl.trans(dS), q, DT)
+    to_chunk_end = tl.exp(G_last - G)
+    state_grad = tl.sum(dk_state * k, axis=1) * to_chunk_end
+    dk += to_chunk_end[:, None] * dk_state
+    dG -= state_grad
+    dG_last += tl.sum(state_grad, axis=0)
+    if DELTA:
+        k_scaled = (strength * tl.exp(G))[:, None] * k
+        dk_scaled = _mm(tl.trans(X), dW, DT)  # the gradient of diag(b e^G) K
+        dX += _mm(dW, tl.trans(k_scaled), DT)
+        dk += (strength * tl.exp(G))[:, None] * dk_scaled
+        scaled_grad = tl.sum(dk_scaled * k_scaled, axis=1)
+        dG += scaled_grad
+        dstrength += tl.sum(dk_scaled * k * tl.exp(G)[:, None], axis=1)
+        strictly_below = r[:, None] > r[None, :]
+        dA = tl.where(strictly_below, -_mm(tl.trans(X), _mm(dX, tl.trans(X), DT), DT), 0.0)
+        gram = tl.where(strictly_below, decay, 0.0) * _mm(k, tl.trans(k), DT)
+        dgram = strength[:, None] * dA * tl.where(strictly_below, decay, 0.0)
+        dk += _mm(dgram, k, DT) + _mm(tl.trans(dgram), k, DT)
+        dstrength += tl.sum(dA * gram, axis=1)
+        decay_grad = dA * strength[:, None] * gram
+        dG += tl.sum(decay_grad, axis=1) - tl.sum(decay_grad, axis=0)
+    dG += tl.where(r == BC - 1, dG_last, 0.0)
+    dg = tl.cumsum(dG, axis=0, reverse=True)
+    _store_rows(dq_ptr, rows, row_ok, head, HV, kcols, DK, dq)
+    _store_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK, dk)
+    tl.store(dg_ptr + rows * HV + head, dg, mask=row_ok)
+    tl.store(dstrength_ptr + rows * HV + head, dstrength, mask=row_ok)
+
+
+def chunk_backward(q, k, v, g, beta, update, scale, S0, cu_seqlens, do, dS, chunk_size=CHUNK_SIZE):
+    """Gradients (dq, dk, dv, dg, dbeta, dS0) of chunk_forward without the residual state, given
+    the gradients of its output (do) and of its final state (dS, or None)."""
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     L = B * T
-    layout = _ChunkLayout(B, T, cu_seqlens, q.device, chunk_size)
-    flat = lambda x: None if x is None else x.reshape(L, *x.shape[2:]).contiguous()  # noqa: E731
-    q, k, v, g, beta, gamma, gamma_write = map(flat, (q, k, v, g, beta, gamma, gamma_write))
-    residual, delta = gamma is not None, update == "delta"
-    empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=q.dtype)  # noqa: E731
-    S = S0.clone(memory_format=torch.contiguous_format)
-    R = R0.clone(memory_format=torch.contiguous_format) if residual else S
-    h = empty(layout.num_chunks, HV, Dk, Dv)
-    h_residual, U_residual = (empty(layout.num_chunks, HV, Dk, Dv), empty(L, HV, Dv)) if residual else (h, v)
-    # Unused pointers point at a real tensor; the kernels never read them.
-    X = X_residual = W = W_residual = U0 = U = v
-    gamma_write = gamma_write if residual else beta
-    tables = (layout.cu_seqlens, layout.chunk_seq, layout.chunk_offsets)
-    shape = dict(T=layout.T, NT=layout.NT, HV=HV, GROUP=HV // H, DK=Dk, DV=Dv)
-    BK, BV_full = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
-    DT = TRITON_DTYPES[q.dtype]
-    warps = 4 if BK <= 128 else 8
-    if delta:
-        X, W, U0, U = empty(L, HV, chunk_size), empty(L, HV, Dk), empty(L, HV, Dv), empty(L, HV, Dv)
-        if residual:
-            X_residual, W_residual = empty(L, HV, chunk_size), empty(L, HV, Dk)
-        _chunk_inverse_kernel[(layout.num_chunks, HV)](
-            k, g, beta, gamma_write, *tables, X, X_residual, layout.T, layout.NT, HV, HV // H, Dk,
-            BC=chunk_size, BLOCK=BLOCK, BK=BK, DT=DT, RESIDUAL=residual, VARLEN=layout.varlen, num_warps=2)
-        _chunk_wy_kernel[(layout.num_chunks, HV)](
-            k, v, g, beta, gamma_write, X, X_residual, *tables, W, U0, W_residual, **shape,
-            BC=chunk_size, BK=BK, BV=BV_full, DT=DT, RESIDUAL=residual, VARLEN=layout.varlen, num_warps=warps)
-    # Few sequence-heads leave SMs idle in the sequential state kernel: narrower value tiles then.
-    BV_state = min(BV_full, 64 if layout.num_sequences * HV >= 128 else 32)
-    _chunk_state_kernel[(triton.cdiv(Dv, BV_state), layout.num_sequences * HV)](
-        k, v, g, beta, gamma_write, W, U0, U, h, X_residual, W_residual, U_residual, h_residual, S, R,
-        layout.cu_seqlens, layout.chunk_offsets, clip, **shape,
-        BC=chunk_size, BK=BK, BV=BV_state, DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=layout.varlen,
-        num_warps=warps)
-    o = torch.empty_like(v)
-    BV = min(BV_full, 64)
-    _chunk_output_kernel[(triton.cdiv(Dv, BV), layout.num_chunks, HV)](
-        q, k, v, g, beta, U, h, gamma if residual else g, U_residual, h_residual, o, *tables, scale, **shape,
-        BC=chunk_size, BK=BK, BV=BV, DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=layout.varlen,
-        num_warps=warps)
-    return o.reshape(B, T, HV, Dv), S, (R if residual else None)
+    run = _ChunkRun(q, k, v, g, beta, None, None, update, 1.0, S0, None, cu_seqlens, chunk_size)
+    layout = run.layout
+    do = do.reshape(L, HV, Dv).contiguous()
+    dS0 = torch.zeros_like(run.S) if dS is None else dS.float().clone(memory_format=torch.contiguous_format)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dh_next = torch.empty(layout.num_chunks, HV, Dk, Dv, **f32)
+    dU = torch.empty(L, HV, Dv, **f32)
+    common = dict(BC=chunk_size, BK=run.BK, DT=run.DT, DELTA=run.delta, VARLEN=layout.varlen, num_warps=run.warps)
+    BV_state = min(run.BV_full, 64 if layout.num_sequences * HV >= 128 else 32)
+    _chunk_state_backward_kernel[(triton.cdiv(Dv, BV_state), layout.num_sequences * HV)](
+        run.q, run.k, run.v, run.g, run.beta, run.W, run.U, do, dS0, dh_next, dU, layout.cu_seqlens,
+        layout.chunk_offsets, scale, **run.shape, BV=BV_state, **common)
+    dq, dk = torch.empty(L, HV, Dk, **f32), torch.empty(L, HV, Dk, **f32)
+    dv, dg, dbeta = torch.empty(L, HV, Dv, **f32), torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)
+    _chunk_grad_kernel[(layout.num_chunks, HV)](
+        run.q, run.k, run.v, run.g, run.beta, run.X, run.U, run.h, do, dh_next, dU, dq, dk, dv, dg, dbeta,
+        *run.tables, scale, **run.shape, BV=min(run.BV_full, 64), **common)
+    group = lambda x: x.view(L, H, HV // H, Dk).sum(2)  # noqa: E731  a key head serves HV / H value heads
+    shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
+    return (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta), dS0)
+
+
+class ChunkFunction(torch.autograd.Function):
+    """chunk_forward with chunk_backward as its gradient, for the rules without the residual
+    state: (q, k, v, g, beta, S0) -> (o, S)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, S0, update, scale, cu_seqlens, chunk_size=CHUNK_SIZE):
+        o, S, _ = chunk_forward(q, k, v, g, beta, None, None, update, 1.0, scale, S0, None, cu_seqlens, chunk_size)
+        ctx.save_for_backward(q, k, v, g, beta, S0, cu_seqlens)
+        ctx.update, ctx.scale, ctx.chunk_size = update, scale, chunk_size
+        return o, S
+
+    @staticmethod
+    def backward(ctx, do, dS):
+        q, k, v, g, beta, S0, cu_seqlens = ctx.saved_tensors
+        grads = chunk_backward(q, k, v, g, beta, ctx.update, ctx.scale, S0, cu_seqlens, do, dS, ctx.chunk_size)
+        return (*grads, None, None, None, None)
