@@ -17,7 +17,7 @@ the caller. RKLA gives its residual state the Kaczmarz step too: it writes R wit
 gamma_write = gamma_t / (||k_t||^2 + eps) and reads it with gamma_t (see reslin_attention).
 Backends: "recurrent" (per-token fp32 reference), "torch" (chunked, fp32 accumulation),
 "triton" (the one-token decode kernel; the chunked forward for head sizes that are multiples
-of 16, with a backward for the rules without the residual state), "auto" (Triton where it applies: CUDA and no gradient; "torch"
+of 16, with its backward), "auto" (Triton where it applies: CUDA and no gradient; "torch"
 elsewhere). ``reslin_decode_step`` advances a generation cache's states in place by one token.
 """
 
@@ -132,7 +132,7 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
     """
     _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend)
     backend = _resolve_backend(backend, q, v, cu_seqlens, q, k, v, g, beta, gamma, gamma_write,
-                               *(initial_state or ()), residual=gamma is not None)
+                               *(initial_state or ()))
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -161,8 +161,7 @@ def reslin_decode_step(q, k, v, g, beta, state, gamma=None, gamma_write=None, up
     for name, x in (("S", S), ("R", R)):
         if x is not None and (x.dtype != torch.float32 or not x.is_contiguous()):
             raise ValueError(f"state {name} must be a contiguous fp32 tensor, got {x.dtype}")
-    backend = _resolve_backend(backend, q, v, None, q, k, v, g, beta, gamma, gamma_write, S, R,
-                               residual=gamma is not None)
+    backend = _resolve_backend(backend, q, v, None, q, k, v, g, beta, gamma, gamma_write, S, R)
     o, S_next, R_next = _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S, R, None)
     if S_next is not S:  # the torch backends return new states; the Triton kernel wrote in place
         S.copy_(S_next)
@@ -180,9 +179,10 @@ def _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
         gamma_write = gamma
     if scale is None:
         scale = Dk ** -0.5
-    if backend == "triton" and _needs_grad(q, k, v, g, beta, S0):  # _resolve_backend refused the residual rules
-        o, S = TritonChunkFunction.apply(q, k, v, g, beta, S0, update, scale, cu_seqlens)
-        return o, S, None
+    if backend == "triton" and _needs_grad(q, k, v, g, beta, gamma, gamma_write, S0, R0):
+        o, S, R = TritonChunkFunction.apply(q, k, v, g, beta, gamma, gamma_write, S0, R0, update, float(clip), scale,
+                                            cu_seqlens)
+        return o, S, R
     if backend == "triton" and q.shape[1] == 1 and cu_seqlens is None:
         o = triton_decode_step(q, k, v, g, beta, gamma, gamma_write, S0, R0, update, float(clip), scale)
         return o, S0, R0
@@ -200,7 +200,7 @@ def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
-def _resolve_backend(backend, q, v, cu_seqlens, *tensors, residual):
+def _resolve_backend(backend, q, v, cu_seqlens, *tensors):
     """The concrete backend for this call: "auto" takes Triton where a Triton kernel applies.
     ``tensors``: every input and state, to tell whether autograd needs a backward."""
     needs_grad = _needs_grad(*tensors)
@@ -217,9 +217,6 @@ def _resolve_backend(backend, q, v, cu_seqlens, *tensors, residual):
         if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"backend='triton' runs on CUDA tensors (or in Triton's interpreter, "
                              f"TRITON_INTERPRET=1), got tensors on {q.device}")
-        if needs_grad and residual:
-            raise NotImplementedError("the Triton backward covers the rules without the residual state (sGLA, GDN, "
-                                      "KLA) so far: use backend='torch' or 'auto' to train RLA, RDN or RKLA")
         if not (decode or head_sizes_fit):
             raise ValueError(f"the chunked Triton forward takes head sizes that are multiples of "
                              f"{CHUNKED_HEAD_DIM_MULTIPLE}, got Dk = {q.shape[-1]}, Dv = {v.shape[-1]}: "

@@ -430,8 +430,9 @@ class _ChunkLayout:
 
 class _ChunkRun:
     """The inputs of one chunked call laid out as packed tokens, and everything the forward
-    computes before its outputs: T^-1, the WY terms, the chunk-start states h and the writes U.
-    The backward builds it again (recomputing is cheaper than keeping h) and reads it."""
+    computes before its outputs: T^-1, the WY terms, the chunk-start states h and the writes U
+    (of S, and of R with the residual state). The backward builds it again (recomputing is
+    cheaper than keeping h) and reads it."""
 
     def __init__(self, q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size):
         B, T, H, Dk = q.shape
@@ -439,10 +440,10 @@ class _ChunkRun:
         L = B * T
         layout = self.layout = _ChunkLayout(B, T, cu_seqlens, q.device, chunk_size)
         flat = lambda x: None if x is None else x.reshape(L, *x.shape[2:]).contiguous()  # noqa: E731
-        self.q, self.k, self.v, self.g, self.beta, self.gamma, gamma_write = map(
+        self.q, self.k, self.v, self.g, self.beta, self.gamma, self.gamma_write = map(
             flat, (q, k, v, g, beta, gamma, gamma_write))
+        self.residual, self.delta, self.clip, self.chunk_size = gamma is not None, update == "delta", clip, chunk_size
         q, k, v, g, beta = self.q, self.k, self.v, self.g, self.beta
-        self.residual, self.delta = self.gamma is not None, update == "delta"
         residual, delta = self.residual, self.delta
         empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=q.dtype)  # noqa: E731
         self.S = S0.clone(memory_format=torch.contiguous_format)
@@ -451,32 +452,35 @@ class _ChunkRun:
         self.h_residual, self.U_residual = ((empty(layout.num_chunks, HV, Dk, Dv), empty(L, HV, Dv))
                                             if residual else (self.h, v))
         # Unused pointers point at a real tensor; the kernels never read them.
-        self.X = X_residual = self.W = W_residual = U0 = self.U = v
-        gamma_write = gamma_write if residual else beta
+        self.X = self.X_residual = self.W = self.W_residual = U0 = self.U = v
+        if not residual:
+            self.gamma_write = beta
         self.tables = (layout.cu_seqlens, layout.chunk_seq, layout.chunk_offsets)
         self.shape = dict(T=layout.T, NT=layout.NT, HV=HV, GROUP=HV // H, DK=Dk, DV=Dv)
         self.BK, self.BV_full = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
         self.DT = TRITON_DTYPES[q.dtype]
         self.warps = 4 if self.BK <= 128 else 8
-        self.chunk_size = chunk_size
         common = dict(BC=chunk_size, BK=self.BK, DT=self.DT, VARLEN=layout.varlen)
         if delta:
             self.X, self.W, U0, self.U = (empty(L, HV, chunk_size), empty(L, HV, Dk), empty(L, HV, Dv),
                                           empty(L, HV, Dv))
             if residual:
-                X_residual, W_residual = empty(L, HV, chunk_size), empty(L, HV, Dk)
+                self.X_residual, self.W_residual = empty(L, HV, chunk_size), empty(L, HV, Dk)
             _chunk_inverse_kernel[(layout.num_chunks, HV)](
-                k, g, beta, gamma_write, *self.tables, self.X, X_residual, layout.T, layout.NT, HV, HV // H, Dk,
-                BLOCK=BLOCK, RESIDUAL=residual, **common, num_warps=2)
+                k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, layout.T, layout.NT, HV,
+                HV // H, Dk, BLOCK=BLOCK, RESIDUAL=residual, **common, num_warps=2)
             _chunk_wy_kernel[(layout.num_chunks, HV)](
-                k, v, g, beta, gamma_write, self.X, X_residual, *self.tables, self.W, U0, W_residual, **self.shape,
-                BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
-        # Few sequence-heads leave SMs idle in the sequential state kernel: narrower value tiles then.
-        BV_state = min(self.BV_full, 64 if layout.num_sequences * HV >= 128 else 32)
-        _chunk_state_kernel[(triton.cdiv(Dv, BV_state), layout.num_sequences * HV)](
-            k, v, g, beta, gamma_write, self.W, U0, self.U, self.h, X_residual, W_residual, self.U_residual,
-            self.h_residual, self.S, self.R, layout.cu_seqlens, layout.chunk_offsets, clip, **self.shape,
-            BV=BV_state, DELTA=delta, RESIDUAL=residual, **common, num_warps=self.warps)
+                k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
+                **self.shape, BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
+        _chunk_state_kernel[(triton.cdiv(Dv, self.state_tile()), layout.num_sequences * HV)](
+            k, v, g, beta, self.gamma_write, self.W, U0, self.U, self.h, self.X_residual, self.W_residual,
+            self.U_residual, self.h_residual, self.S, self.R, layout.cu_seqlens, layout.chunk_offsets, clip,
+            **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual, **common, num_warps=self.warps)
+
+    def state_tile(self):
+        """Value columns a program of the sequential kernels owns: few sequence-heads leave SMs
+        idle, so narrower tiles then."""
+        return min(self.BV_full, 64 if self.layout.num_sequences * self.shape["HV"] >= 128 else 32)
 
     def output(self, scale):
         o = torch.empty_like(self.v)
@@ -499,27 +503,24 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
 
 
 # ---------------------------------------------------------------------------------------------
-# Chunked backward of the rules without the residual state (sGLA, GDN, KLA). With dO and the
-# gradient dh' of a chunk's end state (the next chunk's start), the forward's pieces give:
-#   dU = e^(G_last - G) K dh' + scale * P^T dO,   P = mask_incl(Q K^T) e^(G_i - G_j),
-#   dh = e^(G_last) dh' + scale * (e^G Q)^T dO - W^T dU   (delta rule; no W term additive),
-# chunk after chunk backwards (_chunk_state_backward_kernel, one value tile a program, like the
-# forward's state kernel); then, every chunk at once (_chunk_grad_kernel), dq and dk from the
-# output and the state terms, and through U = U0 - W h with W = X diag(b e^G) K, U0 = X diag(b) V
-# and X = (I + A)^-1: dX = dU0 (diag(b) V)^T + dW (diag(b e^G) K)^T, dA = -X^T dX X^T (strictly
-# lower), A = diag(b) e^(G_i - G_j) K K^T. Every dependence on the cumulative decay G is
-# gathered as dG and turned into dg by a reverse cumulative sum within the chunk (G_last is G at
-# the chunk's last row, padding included).
+# Chunked backward, every rule. With dO and the gradient dh' of a chunk's end state (the next
+# chunk's start), the forward's pieces give, chunk after chunk backwards
+# (_chunk_state_backward_kernel, one value tile a program like the forward's state kernel):
+#   dU = e^(G_last - G) K dh' + scale * P^T dO,   P = mask(Q K^T) e^(G_i - G_j),
+#   dh = e^(G_last) dh' + scale * (e^G Q)^T dO - W^T dU   (no W term for the additive rule).
+# The residual rules run this for R with gamma dO and the inclusive mask, then through R's
+# writes U0_R = X_R diag(b_R) r and the clip (zero gradient where clipped) into
+# pred = e^(G_prev) K h + strictly_lower(e^(G_prev_i - G_j) K K^T) U, whose gradient joins S's.
+# Then every chunk at once (_chunk_grad_kernel): dq, dk, dv, the gates' gradients, through
+# U = U0 - W h with W = X diag(b e^G) K, U0 = X diag(b) V and X = (I + A)^-1
+# (dA = -X^T dX X^T, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T)). Every dependence on the
+# cumulative decay G is gathered as dG and turned into dg by a reverse cumulative sum within the
+# chunk (G_last is G at the chunk's last row, padding included; G_prev_t = G_t - g_t).
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _chunk_state_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U_ptr, do_ptr, dS_ptr,
-                                 dh_next_ptr, dU_ptr, cu_seqlens_ptr, chunk_offsets_ptr, scale,
-                                 T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                 DT: tl.constexpr, DELTA: tl.constexpr, VARLEN: tl.constexpr):
-    """dS_ptr holds the final states' gradient on entry and the initial states' on exit."""
-    value_tile, seq_head = tl.program_id(0), tl.program_id(1)
-    seq, head = seq_head // HV, seq_head % HV
+def _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN: tl.constexpr):
+    """First token, end and first chunk of a sequence."""
     if VARLEN:
         bos, eos = tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1)
         first_chunk = tl.load(chunk_offsets_ptr + seq)
@@ -527,41 +528,127 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr
         bos = seq.to(tl.int64) * T
         eos = bos + T
         first_chunk = (seq * NT).to(tl.int64)
+    return bos, eos, first_chunk
+
+
+@triton.jit
+def _pred(k, h, U, G, g, DT: tl.constexpr, BC: tl.constexpr):
+    """pred_t = S_{t-1}^T k_t of a chunk (decay e^(G_{t-1} - G_j), never divided by a_t), and the
+    strictly lower e^(G_prev_i - G_j) K K^T it reads U with."""
+    r = tl.arange(0, BC)
+    G_prev = G - g
+    attend = tl.exp(tl.where(r[:, None] > r[None, :], G_prev[:, None] - G[None, :], float("-inf"))) * \
+        _mm(k, tl.trans(k), DT)
+    return tl.exp(G_prev)[:, None] * _mm(k, h, DT) + _mm(attend, U, DT), attend
+
+
+@triton.jit
+def _chunk_state_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, residual_strength_ptr,
+                                 W_ptr, U_ptr, h_ptr, X_residual_ptr, W_residual_ptr, do_ptr, dS_ptr, dR_ptr,
+                                 dh_next_ptr, dU_ptr, dh_next_residual_ptr, dU_residual_ptr, residual_ptr, dz_ptr,
+                                 cu_seqlens_ptr, chunk_offsets_ptr, scale, clip, T, NT, HV, GROUP, DK, DV,
+                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                                 DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
+    """dS_ptr (dR_ptr) hold the final states' gradients on entry and the initial states' on exit.
+    Stores dh' and dU of every chunk (of both states), and for the residual rules the clipped
+    residual r and dz, the gradient of v - pred."""
+    value_tile, seq_head = tl.program_id(0), tl.program_id(1)
+    seq, head = seq_head // HV, seq_head % HV
+    bos, eos, first_chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
     state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
     tile = kcols[:, None] * DV + vcols[None, :]
     dh = tl.load(dS_ptr + state_offsets, mask=tile_ok, other=0.0)
+    if RESIDUAL:
+        dh_residual = tl.load(dR_ptr + state_offsets, mask=tile_ok, other=0.0)
     r = tl.arange(0, BC)
     num_chunks = tl.cdiv(eos - bos, BC)
     for i in range(num_chunks):
         index = num_chunks - 1 - i
-        chunk = first_chunk + index
-        tl.store(dh_next_ptr + (chunk * HV + head) * DK * DV + tile, dh, mask=tile_ok)
+        h_offsets = ((first_chunk + index) * HV + head) * DK * DV + tile
+        tl.store(dh_next_ptr + h_offsets, dh, mask=tile_ok)
         rows = bos + index * BC + r
         row_ok = rows < eos
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
         G = tl.cumsum(g, axis=0)
         G_last = tl.sum(g, axis=0)
+        to_chunk_end = tl.exp(G_last - G)[:, None]
         q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-        do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV)
+        do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        q_decayed_t = tl.trans(tl.exp(G)[:, None] * q)
         attend = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf"))) * \
             _mm(q, tl.trans(k), DT)
-        dU = tl.exp(G_last - G)[:, None] * _mm(k, dh, DT) + scale * _mm(tl.trans(attend), do, DT)
+        if RESIDUAL:
+            tl.store(dh_next_residual_ptr + h_offsets, dh_residual, mask=tile_ok)
+            do_residual = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
+            dU_residual = to_chunk_end * _mm(k, dh_residual, DT) + scale * _mm(tl.trans(attend), do_residual, DT)
+            _store_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV, dU_residual)
+            dh_residual = tl.exp(G_last) * dh_residual + scale * _mm(q_decayed_t, do_residual, DT)
+            dr = dU_residual
+            if DELTA:
+                W = _load_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK)
+                dh_residual -= _mm(tl.trans(W), dU_residual, DT)
+                dr = _mm(tl.trans(_load_inverse(X_residual_ptr, rows, row_ok, head, HV, BC)), dU_residual, DT)
+            dr = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * dr
+            # The forward's pred and clip, again: the clip passes gradient only where it did not clip.
+            v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+            h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
+            if DELTA:
+                U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
+            else:
+                U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
+            pred, pred_attend = _pred(k, h, U, G, g, DT, BC)
+            z = v - pred
+            _store_rows(residual_ptr, rows, row_ok, head, HV, vcols, DV, tl.minimum(tl.maximum(z, -clip), clip))
+            dz = tl.where((z >= -clip) & (z <= clip), dr, 0.0)
+            _store_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV, dz)
+            # The base read is exclusive; pred reads U and h too, with gradient -dz.
+            dU = to_chunk_end * _mm(k, dh, DT) + scale * _mm(tl.trans(tl.where(r[:, None] > r[None, :], attend, 0.0)),
+                                                              do, DT) - _mm(tl.trans(pred_attend), dz, DT)
+            dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT) - \
+                _mm(tl.trans(tl.exp(G - g)[:, None] * k), dz, DT)
+        else:
+            dU = to_chunk_end * _mm(k, dh, DT) + scale * _mm(tl.trans(attend), do, DT)
+            dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT)
         _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
-        dh = tl.exp(G_last) * dh + scale * _mm(tl.trans(tl.exp(G)[:, None] * q), do, DT)
         if DELTA:
             dh -= _mm(tl.trans(_load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)), dU, DT)
     tl.store(dS_ptr + state_offsets, dh, mask=tile_ok)
+    if RESIDUAL:
+        tl.store(dR_ptr + state_offsets, dh_residual, mask=tile_ok)
 
 
 @triton.jit
-def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, X_ptr, U_ptr, h_ptr, do_ptr, dh_next_ptr, dU_ptr,
-                       dq_ptr, dk_ptr, dv_ptr, dg_ptr, dstrength_ptr, cu_seqlens_ptr, chunk_seq_ptr,
-                       chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, VARLEN: tl.constexpr):
+def _wy_backward(X, dX, dW, k, gram, decay_strict, G, strength, DT: tl.constexpr):
+    """Through W = X diag(b e^G) K and X = (I + A)^-1, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T)
+    (`gram` = strictly_lower(e^(G_i - G_j) K K^T)), given dW and dX = dU0 (diag(b) V)^T so far:
+    the contributions to dk, db and dG."""
+    k_scaled = (strength * tl.exp(G))[:, None] * k
+    dk_scaled = _mm(tl.trans(X), dW, DT)
+    dX += _mm(dW, tl.trans(k_scaled), DT)
+    dk = (strength * tl.exp(G))[:, None] * dk_scaled
+    dstrength = tl.sum(dk_scaled * k * tl.exp(G)[:, None], axis=1)
+    dG = tl.sum(dk_scaled * k_scaled, axis=1)
+    dA = -_mm(tl.trans(X), _mm(dX, tl.trans(X), DT), DT)  # only its strictly lower part is read
+    dgram = strength[:, None] * dA * decay_strict
+    dk += _mm(dgram, k, DT) + _mm(tl.trans(dgram), k, DT)
+    dstrength += tl.sum(dA * gram, axis=1)
+    decay_grad = dA * strength[:, None] * gram
+    dG += tl.sum(decay_grad, axis=1) - tl.sum(decay_grad, axis=0)
+    return dk, dstrength, dG
+
+
+@triton.jit
+def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, residual_strength_ptr, X_ptr, U_ptr,
+                       h_ptr, X_residual_ptr, U_residual_ptr, h_residual_ptr, do_ptr, dh_next_ptr, dU_ptr,
+                       dh_next_residual_ptr, dU_residual_ptr, residual_ptr, dz_ptr,
+                       dq_ptr, dk_ptr, dv_ptr, dg_ptr, dstrength_ptr, dgamma_ptr, dresidual_strength_ptr,
+                       cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV,
+                       BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                       DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk and value head: dq, dk (per value head; the caller sums a key head's group),
-    dv, dg and the write strength's gradient."""
+    dv, dg, the write strength's gradient, and gamma's and R's write strength's."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     r = tl.arange(0, BC)
@@ -576,12 +663,18 @@ def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, X_ptr, U_ptr, h
     G_last = tl.sum(g, axis=0)
     if DELTA:
         X = _load_inverse(X_ptr, rows, row_ok, head, HV, BC).to(tl.float32)
-    dq_inter = tl.zeros([BC, BK], dtype=tl.float32)   # scale e^G dO h^T
-    dP = tl.zeros([BC, BC], dtype=tl.float32)         # scale dO U^T
-    dk_state = tl.zeros([BC, BK], dtype=tl.float32)   # U dh'^T: the gradient of e^(G_last - G) K
-    dW = tl.zeros([BC, BK], dtype=tl.float32)         # -dU h^T
-    dX = tl.zeros([BC, BC], dtype=tl.float32)         # dU (diag(b) V)^T
-    dstrength = tl.zeros([BC], dtype=tl.float32)
+    if RESIDUAL:
+        residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
+        if DELTA:
+            X_residual = _load_inverse(X_residual_ptr, rows, row_ok, head, HV, BC).to(tl.float32)
+    zeros_k, zeros_c = tl.zeros([BC, BK], dtype=tl.float32), tl.zeros([BC, BC], dtype=tl.float32)
+    dq_inter, dq_inter_residual = zeros_k, zeros_k  # scale e^G dO h^T, of S and of R
+    dP, dP_residual = zeros_c, zeros_c              # scale dO U^T, of S and of R
+    dk_state = zeros_k      # U dh'^T summed over both states: the gradient of e^(G_last - G) K
+    dW, dW_residual = zeros_k, zeros_k              # -dU h^T
+    dX, dX_residual = zeros_c, zeros_c              # dU0 (diag(b) V)^T, and R's with r for V
+    dk_pred, dP_pred = zeros_k, zeros_c             # pred's: -dz h^T and -dz U^T
+    dstrength, dresidual_strength = tl.zeros([BC], dtype=tl.float32), tl.zeros([BC], dtype=tl.float32)
     dG_last = 0.0
     for value_start in range(0, DV, BV):
         vcols = value_start + tl.arange(0, BV)
@@ -599,89 +692,146 @@ def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, X_ptr, U_ptr, h
         else:
             U = strength[:, None] * v
             dV_scaled = dU
-        _store_rows(dv_ptr, rows, row_ok, head, HV, vcols, DV, strength[:, None] * dV_scaled)
+        dv = strength[:, None] * dV_scaled
         dstrength += tl.sum(dV_scaled * v, axis=1)
         dq_inter += scale * tl.exp(G)[:, None] * _mm(do, tl.trans(h), DT)
         dP += scale * _mm(do, tl.trans(U), DT)
         dk_state += _mm(U, tl.trans(dh_next), DT)
         dG_last += tl.sum(tl.sum(dh_next * h, axis=1), axis=0)
+        if RESIDUAL:
+            h = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
+            dh_next = tl.load(dh_next_residual_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
+            U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+            dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+            residual = _load_rows(residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+            dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+            dv += dz
+            dk_pred -= _mm(dz, tl.trans(tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)), DT)
+            dP_pred -= _mm(dz, tl.trans(U), DT)
+            dq_inter_residual += scale * tl.exp(G)[:, None] * _mm(do, tl.trans(h), DT)
+            dP_residual += scale * _mm(do, tl.trans(U_residual), DT)
+            dk_state += _mm(U_residual, tl.trans(dh_next), DT)
+            dG_last += tl.sum(tl.sum(dh_next * h, axis=1), axis=0)
+            dr_scaled = dU_residual  # the gradient of diag(b_R) r
+            if DELTA:
+                dr_scaled = _mm(tl.trans(X_residual), dU_residual, DT)
+                dW_residual -= _mm(dU_residual, tl.trans(h), DT)
+                dX_residual += _mm(dU_residual, tl.trans(residual_strength[:, None] * residual), DT)
+            dresidual_strength += tl.sum(dr_scaled * residual, axis=1)
+        _store_rows(dv_ptr, rows, row_ok, head, HV, vcols, DV, dv)
     dG_last = dG_last * tl.exp(G_last)
+    qk = _mm(q, tl.trans(k), DT)
     decay = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf")))
-    dS = dP * decay  # the gradient of Q K^T
-    attend_grad = dS * _mm(q, tl.trans(k), DT)  # the gradient of G_i - G_j in P
-    dG = tl.sum(dq_inter * q, axis=1) + tl.sum(attend_grad, axis=1) - tl.sum(attend_grad, axis=0)
-    dq = dq_inter + _mm(dS, k, DT)
-    dk = _mm(tl.trans(dS), q, DT)
+    decay_strict = tl.where(r[:, None] > r[None, :], decay, 0.0)
+    if RESIDUAL:
+        gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
+        dgamma = tl.sum(dq_inter_residual * q, axis=1) + tl.sum(dP_residual * decay * qk, axis=1)
+        tl.store(dgamma_ptr + rows * HV + head, dgamma, mask=row_ok)
+        dq_inter += gamma[:, None] * dq_inter_residual
+        dqk = dP * decay_strict + gamma[:, None] * dP_residual * decay  # the gradient of Q K^T
+    else:
+        dqk = dP * decay
+    dG = tl.sum(dq_inter * q, axis=1) + tl.sum(dqk * qk, axis=1) - tl.sum(dqk * qk, axis=0)
+    dq = dq_inter + _mm(dqk, k, DT)
+    dk = _mm(tl.trans(dqk), q, DT)
     to_chunk_end = tl.exp(G_last - G)
     state_grad = tl.sum(dk_state * k, axis=1) * to_chunk_end
     dk += to_chunk_end[:, None] * dk_state
     dG -= state_grad
     dG_last += tl.sum(state_grad, axis=0)
+    kk = _mm(k, tl.trans(k), DT)
+    if RESIDUAL:
+        G_prev = G - g
+        pred_decay = tl.exp(tl.where(r[:, None] > r[None, :], G_prev[:, None] - G[None, :], float("-inf")))
+        dk += tl.exp(G_prev)[:, None] * dk_pred
+        dG_prev = tl.sum(dk_pred * k, axis=1) * tl.exp(G_prev)
+        dkk = dP_pred * pred_decay
+        dk += _mm(dkk, k, DT) + _mm(tl.trans(dkk), k, DT)
+        dG_prev += tl.sum(dkk * kk, axis=1)
+        dG += dG_prev - tl.sum(dkk * kk, axis=0)
     if DELTA:
-        k_scaled = (strength * tl.exp(G))[:, None] * k
-        dk_scaled = _mm(tl.trans(X), dW, DT)  # the gradient of diag(b e^G) K
-        dX += _mm(dW, tl.trans(k_scaled), DT)
-        dk += (strength * tl.exp(G))[:, None] * dk_scaled
-        scaled_grad = tl.sum(dk_scaled * k_scaled, axis=1)
-        dG += scaled_grad
-        dstrength += tl.sum(dk_scaled * k * tl.exp(G)[:, None], axis=1)
-        strictly_below = r[:, None] > r[None, :]
-        dA = tl.where(strictly_below, -_mm(tl.trans(X), _mm(dX, tl.trans(X), DT), DT), 0.0)
-        gram = tl.where(strictly_below, decay, 0.0) * _mm(k, tl.trans(k), DT)
-        dgram = strength[:, None] * dA * tl.where(strictly_below, decay, 0.0)
-        dk += _mm(dgram, k, DT) + _mm(tl.trans(dgram), k, DT)
-        dstrength += tl.sum(dA * gram, axis=1)
-        decay_grad = dA * strength[:, None] * gram
-        dG += tl.sum(decay_grad, axis=1) - tl.sum(decay_grad, axis=0)
+        gram = decay_strict * kk
+        dk_wy, dstrength_wy, dG_wy = _wy_backward(X, dX, dW, k, gram, decay_strict, G, strength, DT)
+        dk += dk_wy
+        dstrength += dstrength_wy
+        dG += dG_wy
+        if RESIDUAL:
+            dk_wy, dstrength_wy, dG_wy = _wy_backward(X_residual, dX_residual, dW_residual, k, gram, decay_strict, G,
+                                                      residual_strength, DT)
+            dk += dk_wy
+            dresidual_strength += dstrength_wy
+            dG += dG_wy
     dG += tl.where(r == BC - 1, dG_last, 0.0)
     dg = tl.cumsum(dG, axis=0, reverse=True)
+    if RESIDUAL:
+        dg -= dG_prev  # G_prev_t = G_t - g_t
+        tl.store(dresidual_strength_ptr + rows * HV + head, dresidual_strength, mask=row_ok)
     _store_rows(dq_ptr, rows, row_ok, head, HV, kcols, DK, dq)
     _store_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK, dk)
     tl.store(dg_ptr + rows * HV + head, dg, mask=row_ok)
     tl.store(dstrength_ptr + rows * HV + head, dstrength, mask=row_ok)
 
 
-def chunk_backward(q, k, v, g, beta, update, scale, S0, cu_seqlens, do, dS, chunk_size=CHUNK_SIZE):
-    """Gradients (dq, dk, dv, dg, dbeta, dS0) of chunk_forward without the residual state, given
-    the gradients of its output (do) and of its final state (dS, or None)."""
+def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, do, dS, dR,
+                   chunk_size=CHUNK_SIZE):
+    """Gradients of chunk_forward, (dq, dk, dv, dg, dbeta, dgamma, dgamma_write, dS0, dR0) (None
+    where there is no residual state), given those of its output (do) and of its final states
+    (dS, dR: tensors or None)."""
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     L = B * T
-    run = _ChunkRun(q, k, v, g, beta, None, None, update, 1.0, S0, None, cu_seqlens, chunk_size)
-    layout = run.layout
+    run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size)
+    layout, residual = run.layout, run.residual
     do = do.reshape(L, HV, Dv).contiguous()
-    dS0 = torch.zeros_like(run.S) if dS is None else dS.float().clone(memory_format=torch.contiguous_format)
+    start_grad = lambda d, like: torch.zeros_like(like) if d is None else \
+        d.float().clone(memory_format=torch.contiguous_format)  # noqa: E731
+    dS0 = start_grad(dS, run.S)
+    dR0 = start_grad(dR, run.R) if residual else dS0
     f32 = dict(device=q.device, dtype=torch.float32)
     dh_next = torch.empty(layout.num_chunks, HV, Dk, Dv, **f32)
     dU = torch.empty(L, HV, Dv, **f32)
-    common = dict(BC=chunk_size, BK=run.BK, DT=run.DT, DELTA=run.delta, VARLEN=layout.varlen, num_warps=run.warps)
-    BV_state = min(run.BV_full, 64 if layout.num_sequences * HV >= 128 else 32)
-    _chunk_state_backward_kernel[(triton.cdiv(Dv, BV_state), layout.num_sequences * HV)](
-        run.q, run.k, run.v, run.g, run.beta, run.W, run.U, do, dS0, dh_next, dU, layout.cu_seqlens,
-        layout.chunk_offsets, scale, **run.shape, BV=BV_state, **common)
+    dh_next_residual, dU_residual, residual_values, dz = (
+        (torch.empty_like(dh_next), torch.empty_like(dU), torch.empty_like(dU), torch.empty_like(dU))
+        if residual else (dh_next, dU, dU, dU))
+    gates = (run.beta, run.gamma if residual else run.g, run.gamma_write)
+    common = dict(BC=chunk_size, BK=run.BK, DT=run.DT, DELTA=run.delta, RESIDUAL=residual, VARLEN=layout.varlen,
+                  num_warps=run.warps)
+    _chunk_state_backward_kernel[(triton.cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
+        run.q, run.k, run.v, run.g, *gates, run.W, run.U, run.h, run.X_residual, run.W_residual, do, dS0, dR0,
+        dh_next, dU, dh_next_residual, dU_residual, residual_values, dz, layout.cu_seqlens, layout.chunk_offsets,
+        scale, clip, **run.shape, BV=run.state_tile(), **common)
     dq, dk = torch.empty(L, HV, Dk, **f32), torch.empty(L, HV, Dk, **f32)
     dv, dg, dbeta = torch.empty(L, HV, Dv, **f32), torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)
+    dgamma, dgamma_write = (torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)) if residual else (dg, dg)
     _chunk_grad_kernel[(layout.num_chunks, HV)](
-        run.q, run.k, run.v, run.g, run.beta, run.X, run.U, run.h, do, dh_next, dU, dq, dk, dv, dg, dbeta,
-        *run.tables, scale, **run.shape, BV=min(run.BV_full, 64), **common)
+        run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
+        do, dh_next, dU, dh_next_residual, dU_residual, residual_values, dz, dq, dk, dv, dg, dbeta, dgamma,
+        dgamma_write, *run.tables, scale, **run.shape, BV=min(run.BV_full, 64), **common)
     group = lambda x: x.view(L, H, HV // H, Dk).sum(2)  # noqa: E731  a key head serves HV / H value heads
     shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
-    return (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta), dS0)
+    grads = (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta))
+    if not residual:
+        return (*grads, None, None, dS0, None)
+    return (*grads, shaped(dgamma, gamma), shaped(dgamma_write, gamma_write), dS0, dR0)
 
 
 class ChunkFunction(torch.autograd.Function):
-    """chunk_forward with chunk_backward as its gradient, for the rules without the residual
-    state: (q, k, v, g, beta, S0) -> (o, S)."""
+    """chunk_forward with chunk_backward as its gradient:
+    (q, k, v, g, beta, gamma, gamma_write, S0, R0) -> (o, S, R); gamma, gamma_write, R0 and R
+    None without the residual state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, S0, update, scale, cu_seqlens, chunk_size=CHUNK_SIZE):
-        o, S, _ = chunk_forward(q, k, v, g, beta, None, None, update, 1.0, scale, S0, None, cu_seqlens, chunk_size)
-        ctx.save_for_backward(q, k, v, g, beta, S0, cu_seqlens)
-        ctx.update, ctx.scale, ctx.chunk_size = update, scale, chunk_size
-        return o, S
+    def forward(ctx, q, k, v, g, beta, gamma, gamma_write, S0, R0, update, clip, scale, cu_seqlens,
+                chunk_size=CHUNK_SIZE):
+        o, S, R = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
+                                chunk_size)
+        ctx.save_for_backward(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens)
+        ctx.update, ctx.clip, ctx.scale, ctx.chunk_size = update, clip, scale, chunk_size
+        return o, S, R
 
     @staticmethod
-    def backward(ctx, do, dS):
-        q, k, v, g, beta, S0, cu_seqlens = ctx.saved_tensors
-        grads = chunk_backward(q, k, v, g, beta, ctx.update, ctx.scale, S0, cu_seqlens, do, dS, ctx.chunk_size)
-        return (*grads, None, None, None, None)
+    def backward(ctx, do, dS, dR):
+        q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens = ctx.saved_tensors
+        grads = chunk_backward(q, k, v, g, beta, gamma, gamma_write, ctx.update, ctx.clip, ctx.scale, S0, R0,
+                               cu_seqlens, do, dS, dR, ctx.chunk_size)
+        return (*grads, None, None, None, None, None)

@@ -61,16 +61,6 @@ def test_triton_backend_leaves_the_initial_state_alone(name, update, residual, k
     assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
 
 
-def test_triton_backward_refuses_the_residual_rules_so_far():
-    x = on_device(make_inputs(1, 4, 1, 1, 16, 16, residual=True, requires_grad=True))
-    args = [x[n] for n in ("q", "k", "v", "g", "beta", "gamma")]
-    for length in (1, 4):
-        with pytest.raises(NotImplementedError, match="without the residual state"):
-            reslin_attention(*(a[:, :length] for a in args), backend="triton")
-        with torch.no_grad():
-            reslin_attention(*(a[:, :length] for a in args), backend="triton")
-
-
 # (B, T, H, HV, Dk, Dv, sequence lengths or None): T not a multiple of the chunk (64), grouped value
 # heads, Dk != Dv, a head size that is not a power of two (masked tiles); and packed sequences of
 # 1, 69, 5 and 75 tokens.
@@ -130,26 +120,28 @@ GRAD_CASES = CHUNK_CASES + [(2, 1, 2, 2, 16, 16, None)]  # and one token
 
 
 @pytest.mark.parametrize("case", GRAD_CASES, ids=["batch", "varlen", "one_token"])
-@pytest.mark.parametrize("name,update,residual,kaczmarz", [r for r in STEPPED_RULES if not r[2]])
+@pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
 def test_chunked_backward_matches_reference(name, update, residual, kaczmarz, case):
-    """Gradients of q, k, v, g, beta and the initial state through the Triton backward against
-    autograd through the per-token reference, for a random weighting of the output and of the
-    final state: relative error <= 1e-5 in fp32."""
+    """Gradients of every input and initial state through the Triton backward against autograd
+    through the per-token reference, for a random weighting of the output and of the final
+    states, with a clip (0.5) that clips part of the residuals: relative error <= 1e-5 in fp32."""
     B, T, H, HV, Dk, Dv, lengths = case
     x = on_device(make_inputs(B, T, H, HV, Dk, Dv, residual, kaczmarz=kaczmarz))
     cu_seqlens = None
     if lengths is not None:
         cu_seqlens = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
-        x["S0"] = torch.randn(len(lengths), *x["S0"].shape[1:], device=DEVICE) * 0.3
-    names = ["q", "k", "v", "g", "beta", "S0"]
+        for n in ("S0", "R0"):  # one initial state a sequence
+            x[n] = None if x[n] is None else torch.randn(len(lengths), *x[n].shape[1:], device=DEVICE) * 0.3
+    names = [n for n in ("q", "k", "v", "g", "beta", "gamma", "gamma_write", "S0", "R0") if x[n] is not None]
     results = {}
     for backend in ("recurrent", "triton"):
-        leaves = {n: x[n].detach().clone().requires_grad_() for n in names}
-        o, (S, _) = reslin_attention(*(leaves[n] for n in names[:5]), update=update, initial_state=(leaves["S0"], None),
-                                     output_final_state=True, cu_seqlens=cu_seqlens, backend=backend)
+        leaves = {n: x[n].detach().clone().requires_grad_() if n in names else None for n in x}
+        o, (S, R) = reslin_attention(*(leaves[n] for n in ("q", "k", "v", "g", "beta", "gamma")), update=update,
+                                     clip=0.5, initial_state=(leaves["S0"], leaves["R0"]), output_final_state=True,
+                                     cu_seqlens=cu_seqlens, backend=backend, gamma_write=leaves["gamma_write"])
         gen = torch.Generator(device=DEVICE).manual_seed(1)
-        loss = (o * torch.randn(o.shape, device=DEVICE, generator=gen)).sum() + \
-            (S * torch.randn(S.shape, device=DEVICE, generator=gen)).sum()
+        weigh = lambda t: (t * torch.randn(t.shape, device=DEVICE, generator=gen)).sum()  # noqa: E731
+        loss = weigh(o) + weigh(S) + (weigh(R) if residual else 0)
         results[backend] = torch.autograd.grad(loss, [leaves[n] for n in names])
     for n, got, ref in zip(names, results["triton"], results["recurrent"]):
         assert rel_err(got, ref) < 1e-5, f"d{n}: {rel_err(got, ref):.2e}"
