@@ -32,15 +32,13 @@ except ImportError:
     from kernels_reslin_torch import chunk_reslin, recurrent_reslin
 try:
     try:
-        from .kernels_reslin_triton import ChunkFunction as TritonChunkFunction
-        from .kernels_reslin_triton import chunk_forward as triton_chunk_forward
-        from .kernels_reslin_triton import decode_step as triton_decode_step
+        from .kernels_reslin_triton import chunk_attention as triton_chunk_attention
+        from .kernels_reslin_triton import decode_step_call as triton_decode_step
     except ImportError:
-        from kernels_reslin_triton import ChunkFunction as TritonChunkFunction
-        from kernels_reslin_triton import chunk_forward as triton_chunk_forward
-        from kernels_reslin_triton import decode_step as triton_decode_step
+        from kernels_reslin_triton import chunk_attention as triton_chunk_attention
+        from kernels_reslin_triton import decode_step_call as triton_decode_step
 except ImportError:  # no Triton installed: the "torch" backend serves everywhere
-    TritonChunkFunction = triton_chunk_forward = triton_decode_step = None
+    triton_chunk_attention = triton_decode_step = None
 
 UPDATE_RULES = ("delta", "additive")
 BACKENDS = ("auto", "torch", "triton", "recurrent")
@@ -179,16 +177,13 @@ def _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
         gamma_write = gamma
     if scale is None:
         scale = Dk ** -0.5
-    if backend == "triton" and _needs_grad(q, k, v, g, beta, gamma, gamma_write, S0, R0):
-        o, S, R = TritonChunkFunction.apply(q, k, v, g, beta, gamma, gamma_write, S0, R0, update, float(clip), scale,
-                                            cu_seqlens)
-        return o, S, R
-    if backend == "triton" and q.shape[1] == 1 and cu_seqlens is None:
+    if backend == "triton" and q.shape[1] == 1 and cu_seqlens is None and not _needs_grad(
+            q, k, v, g, beta, gamma, gamma_write, S0, R0):
         o = triton_decode_step(q, k, v, g, beta, gamma, gamma_write, S0, R0, update, float(clip), scale)
         return o, S0, R0
     if backend == "triton":
-        return triton_chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, float(clip), scale, S0, R0,
-                                    cu_seqlens)
+        return triton_chunk_attention(q, k, v, g, beta, gamma, gamma_write, update, float(clip), scale, S0, R0,
+                                      cu_seqlens)
     if HV != H:
         q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
     run = recurrent_reslin if backend == "recurrent" else chunk_reslin

@@ -7,6 +7,9 @@ is column-separable, so the tiles never talk to each other and each state elemen
 written exactly once.
 """
 
+import hashlib
+from typing import List, Optional, Tuple
+
 try:
     import triton
     import triton.language as tl
@@ -815,23 +818,99 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     return (*grads, shaped(dgamma, gamma), shaped(dgamma_write, gamma_write), dS0, dR0)
 
 
-class ChunkFunction(torch.autograd.Function):
-    """chunk_forward with chunk_backward as its gradient:
-    (q, k, v, g, beta, gamma, gamma_write, S0, R0) -> (o, S, R); gamma, gamma_write, R0 and R
-    None without the residual state."""
+# ---------------------------------------------------------------------------------------------
+# The chunked forward, its backward and the decode step as torch.library custom ops, with fake
+# implementations (shapes only), so that torch.compile traces through them without graph
+# breaks; the forward's gradient is registered as the backward op. Remote code can import this
+# file under several module names (and two checkpoints may carry different versions of it): the
+# op namespace carries a hash of the file, so that identical code shares one registration.
+# ---------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, gamma, gamma_write, S0, R0, update, clip, scale, cu_seqlens,
-                chunk_size=CHUNK_SIZE):
-        o, S, R = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
-                                chunk_size)
+def _op_namespace():
+    with open(__file__, "rb") as source:
+        return "reslin_" + hashlib.sha1(source.read()).hexdigest()[:12]
+
+
+OP_NAMESPACE = _op_namespace()
+def _absent(like):
+    """An absent optional output: ops return tensors only."""
+    return like.new_empty(0)
+
+
+def _optional(x):
+    return None if x.numel() == 0 else x
+
+
+def _register_ops():
+    ops = getattr(torch.ops, OP_NAMESPACE)
+    if hasattr(ops, "chunk_forward"):  # registered by another import of this same file
+        return ops.chunk_forward, ops.decode_step
+
+    @torch.library.custom_op(f"{OP_NAMESPACE}::chunk_forward", mutates_args=())
+    def chunk_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         gamma: Optional[torch.Tensor], gamma_write: Optional[torch.Tensor], S0: torch.Tensor,
+                         R0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], update: str, clip: float,
+                         scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        o, S, R = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens)
+        return o, S, (_absent(S) if R is None else R)
+
+    @chunk_forward_op.register_fake
+    def _(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale):
+        S = torch.empty_like(S0, memory_format=torch.contiguous_format)
+        return torch.empty_like(v), S, (_absent(S) if gamma is None else torch.empty_like(S))
+
+    @torch.library.custom_op(f"{OP_NAMESPACE}::chunk_backward", mutates_args=())
+    def chunk_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          gamma: Optional[torch.Tensor], gamma_write: Optional[torch.Tensor], S0: torch.Tensor,
+                          R0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
+                          dS: Optional[torch.Tensor], dR: Optional[torch.Tensor], update: str, clip: float,
+                          scale: float) -> List[torch.Tensor]:
+        grads = chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, do, dS,
+                               dR)
+        return [_absent(q) if grad is None else grad for grad in grads]
+
+    @chunk_backward_op.register_fake
+    def _(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, do, dS, dR, update, clip, scale):
+        like = (q, k, v, g, beta, gamma, gamma_write, S0, R0 if gamma is not None else None)
+        return [_absent(q) if x is None else torch.empty_like(x) for x in like]
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale = inputs
         ctx.save_for_backward(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens)
-        ctx.update, ctx.clip, ctx.scale, ctx.chunk_size = update, clip, scale, chunk_size
-        return o, S, R
+        ctx.update, ctx.clip, ctx.scale = update, clip, scale
 
-    @staticmethod
     def backward(ctx, do, dS, dR):
         q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens = ctx.saved_tensors
-        grads = chunk_backward(q, k, v, g, beta, gamma, gamma_write, ctx.update, ctx.clip, ctx.scale, S0, R0,
-                               cu_seqlens, do, dS, dR, ctx.chunk_size)
-        return (*grads, None, None, None, None, None)
+        grads = chunk_backward_op(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, do, dS,
+                                  dR if gamma is not None else None, ctx.update, ctx.clip, ctx.scale)
+        return (*(_optional(grad) for grad in grads), None, None, None, None)
+
+    chunk_forward_op.register_autograd(backward, setup_context=setup_context)
+
+    @torch.library.custom_op(f"{OP_NAMESPACE}::decode_step", mutates_args=("S", "R"))
+    def decode_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       gamma: Optional[torch.Tensor], gamma_write: Optional[torch.Tensor], S: torch.Tensor,
+                       R: Optional[torch.Tensor], update: str, clip: float, scale: float) -> torch.Tensor:
+        return decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
+
+    @decode_step_op.register_fake
+    def _(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale):
+        return torch.empty_like(v, memory_format=torch.contiguous_format)
+
+    return chunk_forward_op, decode_step_op
+
+
+chunk_forward_op, decode_step_op = _register_ops()
+
+
+def chunk_attention(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens):
+    """The chunked forward through its custom op (differentiable): (o, S, R), R None without
+    the residual state."""
+    o, S, R = chunk_forward_op(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale)
+    return o, S, (R if gamma is not None else None)
+
+
+def decode_step_call(*args):
+    """decode_step, through its custom op while torch.compile traces (the op's dispatch costs a
+    one-token step more than its kernel when run eagerly)."""
+    return decode_step_op(*args) if torch.compiler.is_compiling() else decode_step(*args)

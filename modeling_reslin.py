@@ -332,6 +332,11 @@ def is_decode_step(cache, num_tokens):
 
 
 def check_input_ids(input_ids, vocab_size):
+    if torch.compiler.is_compiling():
+        # Reading the values on the host would break torch.compile's graph: the device checks them.
+        torch._assert_async(((input_ids >= 0) & (input_ids < vocab_size)).all(),
+                            f"input_ids must lie in [0, vocab_size={vocab_size})")
+        return
     low, high = torch.stack(torch.aminmax(input_ids)).tolist() if input_ids.numel() else (0, 0)
     if low < 0 or high >= vocab_size:
         raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")

@@ -1,0 +1,54 @@
+"""torch.compile through the Triton ops (registered as torch.library custom ops with fake
+implementations): no graph breaks, and the compiled step gives the eager step's loss and
+gradients. On the CPU the kernels run in Triton's interpreter and the graphs in the aot_eager
+backend (inductor's CPU code generation would add minutes); test_gpu.py compiles with inductor."""
+
+import pytest
+import torch
+
+import kernels_reslin
+from conftest import build_model
+from kernels_reslin import reslin_attention
+from test_kernels import make_inputs, rel_err
+
+pytestmark = pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKEND = "inductor" if torch.cuda.is_available() else "aot_eager"
+
+
+def compiled_and_eager(fn, *inputs):
+    """(loss, gradients of `inputs`) of fn eagerly and compiled with fullgraph=True (a graph break
+    raises)."""
+    results = []
+    for run in (fn, torch.compile(fn, fullgraph=True, backend=BACKEND)):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        loss = run(*leaves)
+        results.append([loss] + list(torch.autograd.grad(loss, leaves)))
+    return results
+
+
+@pytest.mark.parametrize("update,residual", [("delta", True), ("additive", False)])
+def test_reslin_attention_compiles_without_graph_breaks(update, residual):
+    x = make_inputs(1, 70, 2, 2, 16, 16, residual)
+    inputs = [x[n].to(DEVICE) for n in ("q", "k", "v", "g", "beta", "gamma") if x[n] is not None]
+
+    def step(*args):
+        o, (S, R) = reslin_attention(*args, update=update, output_final_state=True, backend="triton")
+        return o.square().sum() + S.sum() + (R.sum() if residual else 0)
+
+    compiled, eager = compiled_and_eager(step, *inputs)
+    for got, ref in zip(compiled, eager):
+        assert rel_err(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("mixer_name", ["rdn", "gdn"])
+def test_model_training_step_compiles_without_graph_breaks(mixer_name):
+    model = build_model(mixer_name, kernel_backend="triton", head_dim=16).train().to(DEVICE)
+    ids = torch.randint(3, 100, (2, 40), device=DEVICE)
+    params = list(model.parameters())
+    results = []
+    for run in (model, torch.compile(model, fullgraph=True, backend=BACKEND)):
+        loss = run(ids, labels=ids).loss
+        results.append([loss] + list(torch.autograd.grad(loss, params)))
+    for got, ref in zip(*results):
+        assert rel_err(got, ref) < 1e-5
