@@ -17,7 +17,7 @@ the caller. RKLA gives its residual state the Kaczmarz step too: it writes R wit
 gamma_write = gamma_t / (||k_t||^2 + eps) and reads it with gamma_t (see reslin_attention).
 Backends: "recurrent" (per-token fp32 reference), "torch" (chunked, fp32 accumulation),
 "triton" (the one-token decode kernel; the chunked forward for head sizes that are multiples
-of 16, with its backward), "auto" (Triton where it applies: CUDA and no gradient; "torch"
+of 16, with its backward), "auto" (Triton on CUDA where the head sizes allow; "torch"
 elsewhere). ``reslin_decode_step`` advances a generation cache's states in place by one token.
 """
 
@@ -198,13 +198,13 @@ def _needs_grad(*tensors):
 def _resolve_backend(backend, q, v, cu_seqlens, *tensors):
     """The concrete backend for this call: "auto" takes Triton where a Triton kernel applies.
     ``tensors``: every input and state, to tell whether autograd needs a backward."""
-    needs_grad = _needs_grad(*tensors)
-    decode = q.shape[1] == 1 and cu_seqlens is None
+    # One token without a gradient takes the decode kernel; everything else the chunked kernels.
+    decode = q.shape[1] == 1 and cu_seqlens is None and not _needs_grad(*tensors)
     # The chunked kernels take head sizes in multiples of CHUNKED_HEAD_DIM_MULTIPLE: on the H200 a key
     # head size of 100 gave wrong outputs and illegal addresses (48, 64, 72, 80, 128, 256 were right).
     head_sizes_fit = all(x.shape[-1] % CHUNKED_HEAD_DIM_MULTIPLE == 0 for x in (q, v))
     if backend == "auto":
-        triton_applies = triton_decode_step is not None and q.is_cuda and not needs_grad
+        triton_applies = triton_decode_step is not None and q.is_cuda
         return "triton" if triton_applies and (decode or head_sizes_fit) else "torch"
     if backend == "triton":
         if triton_decode_step is None:
