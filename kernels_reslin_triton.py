@@ -797,19 +797,19 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         (torch.empty_like(dh_next), torch.empty_like(dU), torch.empty_like(dU), torch.empty_like(dU))
         if residual else (dh_next, dU, dU, dU))
     gates = (run.beta, run.gamma if residual else run.g, run.gamma_write)
-    common = dict(BC=chunk_size, BK=run.BK, DT=run.DT, DELTA=run.delta, RESIDUAL=residual, VARLEN=layout.varlen,
-                  num_warps=run.warps)
+    common = dict(BC=chunk_size, BK=run.BK, DT=run.DT, DELTA=run.delta, RESIDUAL=residual, VARLEN=layout.varlen)
     _chunk_state_backward_kernel[(triton.cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
         run.q, run.k, run.v, run.g, *gates, run.W, run.U, run.h, run.X_residual, run.W_residual, do, dS0, dR0,
         dh_next, dU, dh_next_residual, dU_residual, residual_values, dz, layout.cu_seqlens, layout.chunk_offsets,
-        scale, clip, **run.shape, BV=run.state_tile(), **common)
+        scale, clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps)
     dq, dk = torch.empty(L, HV, Dk, **f32), torch.empty(L, HV, Dk, **f32)
     dv, dg, dbeta = torch.empty(L, HV, Dv, **f32), torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)
     dgamma, dgamma_write = (torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)) if residual else (dg, dg)
     _chunk_grad_kernel[(layout.num_chunks, HV)](
         run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
         do, dh_next, dU, dh_next_residual, dU_residual, residual_values, dz, dq, dk, dv, dg, dbeta, dgamma,
-        dgamma_write, *run.tables, scale, **run.shape, BV=min(run.BV_full, 64), **common)
+        dgamma_write, *run.tables, scale, **run.shape, BV=min(run.BV_full, 64), **common,
+        num_warps=8)  # a dozen chunk-sized accumulators: more warps, fewer spilled registers
     group = lambda x: x.view(L, H, HV // H, Dk).sum(2)  # noqa: E731  a key head serves HV / H value heads
     shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
     grads = (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta))
