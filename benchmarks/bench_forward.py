@@ -1,4 +1,5 @@
-"""Chunked forward (no gradient) of reslin_attention against FLA 0.6.0's chunked kernels, same GPU, same run.
+"""Chunked forward (no gradient), or with --backward forward + backward, of reslin_attention against
+FLA 0.6.0's chunked kernels, same GPU, same run.
 
 For each rule and shape (bf16 q, k, v; fp32 gates; H heads, Dk = Dv = D) it prints the median
 time of `reslin_attention(..., backend=--backend)` and of FLA's kernel for the same recurrence
@@ -12,34 +13,66 @@ or its nearest one, when FLA is importable (carried as wheels):
     rdn    chunk_gated_delta_rule    as gdn: RDN's base pass alone
     rkla   chunk_gated_delta_rule    as kla: RKLA's base pass alone
 
-Goals (issue "Bundled Triton kernels for inference", backend "triton"): ours / FLA <= 1.0x for
-gdn, kla and sgla; <= 1.6x for rla (against chunk_simple_gla) and rdn (against
-chunk_gated_delta_rule), whose residual pass is a second recurrence; rkla is reported against
-chunk_gated_delta_rule without a goal.
+With --backward each timed call is a training call: fp32 initial states (S0, and R0 for the
+residual rules) are given too, loss = (o * w).sum() with a fixed random bf16 w, and
+torch.autograd.grad takes the gradient of every input: ours q, k, v, g, beta, gamma,
+gamma_write (rkla) and the initial states; FLA's q, k (beta * k for simple GLA), v, g, beta
+(delta rule) and its initial state. FLA 0.6.0 refuses its gated backward on Hopper with
+triton < 3.7.1 (wrong values, FLA issue 640): the guard is lifted for timing
+(common.lift_fla_backward_guard), and a note beside the table says so when it was.
+
+Goals, ours / FLA, backend "triton":
+- forward (issue "Bundled Triton kernels for inference"): <= 1.0x for gdn, kla and sgla; <= 1.6x
+  for rla (against chunk_simple_gla) and rdn (against chunk_gated_delta_rule), whose residual
+  pass is a second recurrence.
+- forward + backward (issue "Triton backward for training"): <= 1.0x for gdn, kla and sgla;
+  <= 1.7x for rla and rdn.
+rkla is reported against chunk_gated_delta_rule without a goal.
 
     python benchmarks/bench_forward.py [--shapes 8x2048 2x8192 1x32768] [--heads 16] [--dim 128]
                                        [--rules ...] [--backend triton|torch] [--repeats 10]
-    python benchmarks/bench_forward.py --smoke   # tiny sizes; runs on a CPU (Triton interpreter, fp32)
+    python benchmarks/bench_forward.py --backward   # shapes default to 8x2048 2x8192
+    python benchmarks/bench_forward.py --smoke [--backward]   # tiny sizes; runs on a CPU (Triton interpreter, fp32)
 """
 
 import argparse
+import contextlib
 
 import torch
 
-from common import RULES, import_fla, median_ms, print_header, rule_inputs
+from common import RULES, import_fla, lift_fla_backward_guard, median_ms, print_header, rule_inputs
 from kernels_reslin import reslin_attention
 
 GOALS = {"gdn": 1.0, "kla": 1.0, "sgla": 1.0, "rla": 1.6, "rdn": 1.6, "rkla": None}
+BACKWARD_GOALS = {"gdn": 1.0, "kla": 1.0, "sgla": 1.0, "rla": 1.7, "rdn": 1.7, "rkla": None}
+SHAPES = [(8, 2048), (2, 8192), (1, 32768)]
+BACKWARD_SHAPES = [(8, 2048), (2, 8192)]
 
 
-def fla_baseline(fla, rule, x):
-    """(name, zero-argument call) of the FLA kernel that `rule` is compared with, on `x`'s inputs."""
+def fla_baseline(fla, rule, x, S0=None):
+    """(name, zero-argument call returning FLA's output, the tensors it reads that a backward
+    differentiates) of the FLA kernel that `rule` is compared with, on `x`'s inputs."""
     update = RULES[rule][0]
     if update == "additive":
-        k = x["k"] * x["beta"][..., None].to(x["k"].dtype)  # outside the timed call: FLA's sGLA has no beta
-        return "chunk_simple_gla", lambda: fla.ops.simple_gla.chunk_simple_gla(x["q"], k, x["v"], g=x["g"])
-    return "chunk_gated_delta_rule", lambda: fla.ops.gated_delta_rule.chunk_gated_delta_rule(
-        x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"])
+        # Outside the timed call (FLA's sGLA has no beta); a leaf of its own for the backward.
+        k = (x["k"] * x["beta"][..., None].to(x["k"].dtype)).detach().requires_grad_(x["k"].requires_grad)
+        return ("chunk_simple_gla",
+                lambda: fla.ops.simple_gla.chunk_simple_gla(x["q"], k, x["v"], g=x["g"], initial_state=S0)[0],
+                [x["q"], k, x["v"], x["g"], S0])
+    return ("chunk_gated_delta_rule",
+            lambda: fla.ops.gated_delta_rule.chunk_gated_delta_rule(
+                x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=S0)[0],
+            [x["q"], x["k"], x["v"], x["g"], x["beta"], S0])
+
+
+def forward_backward(call, inputs, weight):
+    """A zero-argument call of `call`, loss = (o * weight).sum() and the gradients of `inputs`.
+    torch.autograd.grad returns them without accumulating into .grad, so repeats do the same work."""
+    inputs = [t for t in inputs if t is not None]
+
+    def run():
+        torch.autograd.grad((call() * weight).sum(), inputs)
+    return run
 
 
 def parse_shape(text):
@@ -49,35 +82,55 @@ def parse_shape(text):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[(8, 2048), (2, 8192), (1, 32768)],
-                        help="BxT, e.g. 8x2048")
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
+                        help="BxT, e.g. 8x2048 (default 8x2048 2x8192 1x32768; with --backward 8x2048 2x8192)")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--rules", nargs="+", choices=list(RULES), default=list(RULES))
     parser.add_argument("--backend", default="triton", choices=["triton", "torch"])
+    parser.add_argument("--backward", action="store_true", help="time forward + backward (a training call)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script itself")
     args = parser.parse_args()
+    if args.shapes is None:
+        args.shapes = BACKWARD_SHAPES if args.backward else SHAPES
     if args.smoke:
         args.shapes, args.heads, args.dim, args.repeats = [(1, 70)], 2, 32, 1
 
     fla = import_fla()
+    note = lift_fla_backward_guard() if fla is not None and args.backward else None
+    goals = BACKWARD_GOALS if args.backward else GOALS
     H, D = args.heads, args.dim
-    print_header(f"reslin_attention forward, backend {args.backend!r}, H={H} Dk=Dv={D}, "
+    what = "forward + backward" if args.backward else "forward"
+    print_header(f"reslin_attention {what}, backend {args.backend!r}, H={H} Dk=Dv={D}, "
                  f"median of {args.repeats} after warm-up")
+    if note:
+        print(note)
     print(f"{'rule':5} {'shape':>9} {'ours ms':>9}   {'FLA baseline':22} {'FLA ms':>8} {'ours/FLA':>9}   goal")
     torch.manual_seed(0)
-    with torch.no_grad():
+    with contextlib.nullcontext() if args.backward else torch.no_grad():
         for rule in args.rules:
             for B, T in args.shapes:
                 x = rule_inputs(rule, B, T, H, D)
-                ours = median_ms(lambda: reslin_attention(**x, backend=args.backend), args.repeats)
+                S0 = R0 = weight = None
+                if args.backward:
+                    x = {name: t.requires_grad_() if torch.is_tensor(t) else t for name, t in x.items()}
+                    state = lambda: torch.zeros(B, H, D, D, device=x["v"].device, requires_grad=True)  # noqa: E731
+                    S0, R0 = state(), (state() if x["gamma"] is not None else None)
+                    weight = torch.randn_like(x["v"])
+                    ours_call = forward_backward(
+                        lambda: reslin_attention(**x, initial_state=(S0, R0), backend=args.backend)[0],
+                        [x[name] for name in ("q", "k", "v", "g", "beta", "gamma", "gamma_write")] + [S0, R0],
+                        weight)
+                else:
+                    ours_call = lambda: reslin_attention(**x, backend=args.backend)  # noqa: E731
+                ours = median_ms(ours_call, args.repeats)
                 line = f"{rule:5} {f'{B}x{T}':>9} {ours:9.3f}"
                 if fla is not None:
-                    name, call = fla_baseline(fla, rule, x)
-                    theirs = median_ms(call, args.repeats)
+                    name, call, inputs = fla_baseline(fla, rule, x, S0)
+                    theirs = median_ms(forward_backward(call, inputs, weight) if args.backward else call, args.repeats)
                     ratio = ours / theirs
-                    goal = GOALS[rule]
+                    goal = goals[rule]
                     verdict = "none" if goal is None else f"<= {goal:.1f}x {'met' if ratio <= goal else 'NOT met'}"
                     line += f"   {name:22} {theirs:8.3f} {ratio:8.2f}x   {verdict}"
                 print(line, flush=True)

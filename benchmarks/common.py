@@ -108,3 +108,23 @@ def median_ms(fn, repeats=10, warmup=2):
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def lift_fla_backward_guard():
+    """Let FLA 0.6.0 run its gated backward where it refuses to, for timing it.
+
+    FLA raises in chunk_bwd_dqkwg (fla/ops/common/chunk_o.py; every gated chunked backward:
+    gated delta rule, simple GLA) on Hopper with triton >= 3.4 and < 3.7.1, whose compiler gives
+    that kernel wrong values (FLA issue 640). The guard reads the module-level flag
+    TRITON_ABOVE_3_7_1 at each call, so setting it lets the kernel run: its time is real, its
+    values are not. Returns the note to print beside the results, or None where the guard would
+    not have fired (another GPU, a newer triton, or an FLA without this flag)."""
+    import fla.ops.common.chunk_o as chunk_o
+
+    fires = (getattr(chunk_o, "IS_NVIDIA_HOPPER", False) and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
+             and getattr(chunk_o, "TRITON_ABOVE_3_7_1", True) is False)
+    if not fires:
+        return None
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return ("note: FLA refuses its own gated backward on Hopper with triton < 3.7.1 (wrong values, FLA issue 640); "
+            "its guard is lifted here for timing: FLA's backward values are wrong on this machine, its times are not")
