@@ -84,17 +84,20 @@ class ResLinShortConvolution(nn.Conv1d):
             state = x.new_zeros(x.shape[0], x.shape[1], self.kernel_size[0] - 1)
         x = torch.cat([state.to(x.dtype), x], dim=-1)
         T, K = x.shape[-1] - state.shape[-1], self.kernel_size[0]
+        # Taps in the input's dtype: under autocast fp32 taps would turn bf16 activations into fp32
+        # ones, and the attention kernels would then take their slow exact fp32 path.
+        weight = self.weight.to(x.dtype)
         if T == 1:
             # One token (a decode step): its window times the taps, summed. Two kernels where the
             # loop below launches 2K, and launches are what a decode step's time goes to. (A single
             # token's window never crosses a packed sequence's start: without a cache it is zeros.)
-            y = (x * self.weight[:, 0]).sum(-1, keepdim=True)
+            y = (x * weight[:, 0]).sum(-1, keepdim=True)
         else:
             # The K taps as K shifted multiply-adds: on a CPU 2-5x faster than F.conv1d's depthwise
             # path at these shapes (measured at K=4, T up to 2048).
             y = 0
             for i in range(K):
-                tap = x[..., i:i + T] * self.weight[:, 0, i, None]
+                tap = x[..., i:i + T] * weight[:, 0, i, None]
                 reach = K - 1 - i  # how far back this tap reads
                 y = y + (tap if positions is None or reach == 0 else tap * (positions >= reach)[:, None].to(tap.dtype))
         return F.silu(y).transpose(1, 2), x[..., T:]
@@ -446,7 +449,9 @@ class ResLinModel(ResLinPreTrainedModel):
         **kwargs,
     ):
         cache = resolve_cache_keyword(cache, past_key_values)
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        # Training needs no cache by default (FLA's models do the same): it would only ask the
+        # kernels for final states nobody reads.
+        use_cache = use_cache if use_cache is not None else self.config.use_cache and not self.training
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )

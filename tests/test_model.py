@@ -325,6 +325,27 @@ def test_kernel_inputs_follow_the_step_rule(tiny_model, reslin, monkeypatch, mix
         torch.testing.assert_close(call["gamma"], gamma)
 
 
+def test_autocast_training_feeds_the_kernels_low_precision_and_builds_no_cache(tiny_model, reslin, monkeypatch):
+    """fp32 weights under bf16 autocast (what Trainer(bf16=True) does): q, k, v reach the kernels in
+    bf16 (fp32 short-convolution taps used to promote them to fp32, the kernels' slow exact
+    path), and a training forward builds no cache unless asked."""
+    model = tiny_model("rdn").train()
+    dtypes = []
+    kernel = reslin.modeling.reslin_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        dtypes.append((q.dtype, k.dtype, v.dtype))
+        return kernel(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(reslin.modeling, "reslin_attention", spy)
+    ids = torch.randint(3, 100, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, labels=ids)
+    assert dtypes and all(d == (torch.bfloat16,) * 3 for d in dtypes)
+    assert out.past_key_values is None
+    assert model(ids, use_cache=True).past_key_values is not None
+
+
 @torch.no_grad()
 def test_rkla_stays_finite_with_large_keys(tiny_model):
     model = tiny_model("rkla", initializer_range=0.5)
