@@ -482,8 +482,9 @@ class _ChunkRun:
 
     def state_tile(self):
         """Value columns a program of the sequential kernels owns: few sequence-heads leave SMs
-        idle, so narrower tiles then."""
-        return min(self.BV_full, 64 if self.layout.num_sequences * self.shape["HV"] >= 128 else 32)
+        idle, so narrower tiles then; so does holding two states (S and R) in registers."""
+        wide = self.layout.num_sequences * self.shape["HV"] >= 128 and not self.residual
+        return min(self.BV_full, 64 if wide else 32)
 
     def output(self, scale):
         o = torch.empty_like(self.v)
@@ -678,7 +679,7 @@ def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, resi
     dX, dX_residual = zeros_c, zeros_c              # dU0 (diag(b) V)^T, and R's with r for V
     dk_pred, dP_pred = zeros_k, zeros_c             # pred's: -dz h^T and -dz U^T
     dstrength, dresidual_strength = tl.zeros([BC], dtype=tl.float32), tl.zeros([BC], dtype=tl.float32)
-    dG_last = 0.0
+    decay_grad_rows = tl.zeros([BK], dtype=tl.float32)  # <dh', h> by key row: the gradient of e^(G_last)
     for value_start in range(0, DV, BV):
         vcols = value_start + tl.arange(0, BV)
         h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
@@ -700,7 +701,7 @@ def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, resi
         dq_inter += scale * tl.exp(G)[:, None] * _mm(do, tl.trans(h), DT)
         dP += scale * _mm(do, tl.trans(U), DT)
         dk_state += _mm(U, tl.trans(dh_next), DT)
-        dG_last += tl.sum(tl.sum(dh_next * h, axis=1), axis=0)
+        decay_grad_rows += tl.sum(dh_next * h, axis=1)
         if RESIDUAL:
             h = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
             dh_next = tl.load(dh_next_residual_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
@@ -714,7 +715,7 @@ def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, resi
             dq_inter_residual += scale * tl.exp(G)[:, None] * _mm(do, tl.trans(h), DT)
             dP_residual += scale * _mm(do, tl.trans(U_residual), DT)
             dk_state += _mm(U_residual, tl.trans(dh_next), DT)
-            dG_last += tl.sum(tl.sum(dh_next * h, axis=1), axis=0)
+            decay_grad_rows += tl.sum(dh_next * h, axis=1)
             dr_scaled = dU_residual  # the gradient of diag(b_R) r
             if DELTA:
                 dr_scaled = _mm(tl.trans(X_residual), dU_residual, DT)
@@ -722,7 +723,7 @@ def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, resi
                 dX_residual += _mm(dU_residual, tl.trans(residual_strength[:, None] * residual), DT)
             dresidual_strength += tl.sum(dr_scaled * residual, axis=1)
         _store_rows(dv_ptr, rows, row_ok, head, HV, vcols, DV, dv)
-    dG_last = dG_last * tl.exp(G_last)
+    dG_last = tl.sum(decay_grad_rows, axis=0) * tl.exp(G_last)
     qk = _mm(q, tl.trans(k), DT)
     decay = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf")))
     decay_strict = tl.where(r[:, None] > r[None, :], decay, 0.0)
@@ -809,7 +810,9 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
         do, dh_next, dU, dh_next_residual, dU_residual, residual_values, dz, dq, dk, dv, dg, dbeta, dgamma,
         dgamma_write, *run.tables, scale, **run.shape, BV=min(run.BV_full, 64), **common,
-        num_warps=8)  # a dozen chunk-sized accumulators: more warps, fewer spilled registers
+        # A dozen chunk-sized accumulators: more warps, fewer spilled registers. One stage: multi-
+        # buffering the value loop's dozen loads needs more shared memory than an H200 has (400 KB).
+        num_warps=8, num_stages=1)
     group = lambda x: x.view(L, H, HV // H, Dk).sum(2)  # noqa: E731  a key head serves HV / H value heads
     shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
     grads = (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta))

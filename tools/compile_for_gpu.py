@@ -1,0 +1,108 @@
+"""Compile every chunked Triton kernel for an H200 (sm_90) on any machine, GPU or not, and check
+what the compiler can tell without running: that each variant compiles, and that its shared
+memory fits the GPU (232448 bytes on an H200; a launch past it fails with OutOfResources).
+Device time is scarce: this catches compile errors and shared-memory overflows before a GPU run.
+Register spills are only reported when a kernel is loaded on a GPU.
+
+    python tools/compile_for_gpu.py [--head-sizes 64 128 256] [--dtypes bf16 fp32]
+
+The launch configurations (tiles, warps, stages) are those kernels_reslin_triton's host code
+chooses for large batches; keep LAUNCHES in step with it.
+"""
+
+import argparse
+import inspect
+import os
+import sys
+import time
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import kernels_reslin_triton as kernels  # noqa: E402
+
+SHARED_MEMORY = 232448
+DTYPES = {"bf16": (tl.bfloat16, "*bf16"), "fp16": (tl.float16, "*fp16"), "fp32": (tl.float32, "*fp32")}
+INDEX_POINTERS = ("cu_seqlens_ptr", "chunk_seq_ptr", "chunk_offsets_ptr")
+# Pointers to the states, the gates and the fp32 gradient buffers; the others hold inputs or
+# buffers in the input dtype.
+FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "g_ptr", "strength_ptr", "residual_strength_ptr", "gamma_ptr",
+                 "dS_ptr", "dR_ptr", "dh_next_ptr", "dU_ptr", "dh_next_residual_ptr", "dU_residual_ptr",
+                 "residual_ptr", "dz_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
+                 "dresidual_strength_ptr")
+
+
+def launches(BK, BV_full, residual):
+    """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
+    warps = 4 if BK <= 128 else 8
+    state_tile = min(BV_full, 32 if residual else 64)
+    return [
+        (kernels._chunk_inverse_kernel, dict(BC=64, BLOCK=16, BK=BK), 2, 3),
+        (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
+        (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, 3),
+        (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
+        (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, 3),
+        (kernels._chunk_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), 8, 1),
+    ]
+
+
+def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages):
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {}
+    for name in params:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in INDEX_POINTERS:
+            signature[name] = "*i64"
+        elif name in FP32_POINTERS:
+            signature[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            signature[name] = pointer_type
+        else:
+            signature[name] = "fp32" if name in ("scale", "clip") else "i64" if name == "T" else "i32"
+    source = ASTSource(fn=fn, signature=signature,
+                       constexprs={(params.index(name),): value for name, value in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-sizes", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
+    args = parser.parse_args()
+    failures = 0
+    for dtype in args.dtypes:
+        DT, pointer_type = DTYPES[dtype]
+        for head_size in args.head_sizes:
+            for delta in (True, False):
+                for residual in (False, True):
+                    for fn, constexprs, warps, stages in launches(head_size, head_size, residual):
+                        params = inspect.signature(fn.fn).parameters
+                        flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
+                        constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
+                        if not delta and fn in (kernels._chunk_inverse_kernel, kernels._chunk_wy_kernel):
+                            continue  # the additive rule has no T^-1
+                        label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
+                                 f"{' residual' if residual else ''}")
+                        start = time.time()
+                        try:
+                            compiled = compile_variant(fn, constexprs, pointer_type, warps, stages)
+                        except Exception as error:  # report every variant, then fail
+                            failures += 1
+                            print(f"{label}: does not compile: {str(error).splitlines()[0][:300]}", flush=True)
+                            continue
+                        shared = compiled.metadata.shared
+                        fits = shared <= SHARED_MEMORY
+                        failures += not fits
+                        print(f"{label}: {shared:6d} B shared{'' if fits else ' > ' + str(SHARED_MEMORY)}"
+                              f" ({time.time() - start:.0f} s)", flush=True)
+    print(f"{failures} variant(s) failed")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
