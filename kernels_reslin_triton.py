@@ -389,6 +389,9 @@ def _chunk_pass(q, k, values, g, strength, state, layout, update, scale, mode, o
     shape = dict(T=layout.T, NT=layout.NT, HV=HV, GROUP=HV // H, DK=Dk, DV=Dv)
     BK, BV_full = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
     warps = 4 if BK <= 128 else 8
+    # Pipelined fp32 tiles take twice the shared memory of bf16 ones: with 3 stages the state
+    # kernel compiled for an H200 at D = 128 needs 213 KB of its 227, and more at D = 256.
+    stages = 1 if q.dtype == torch.float32 else 3
     U0 = W = U = values  # the additive rule writes diag(b) V, recomputed where it is read
     if delta:
         W = torch.empty(L, HV, Dk, device=q.device, dtype=q.dtype)
@@ -406,12 +409,14 @@ def _chunk_pass(q, k, values, g, strength, state, layout, update, scale, mode, o
     BV_state = min(BV_full, 64 if layout.num_sequences * HV >= 128 else 32)
     _chunk_state_kernel[(triton.cdiv(Dv, BV_state), layout.num_sequences * HV)](
         k, values, g, strength, W, U0, U, h, state, cu_seqlens, chunk_offsets, **shape,
-        BC=chunk_size, BK=BK, BV=BV_state, DT=DT, DELTA=delta, VARLEN=layout.varlen, num_warps=warps)
+        BC=chunk_size, BK=BK, BV=BV_state, DT=DT, DELTA=delta, VARLEN=layout.varlen, num_warps=warps,
+        num_stages=stages)
     BV = min(BV_full, 64)
     _chunk_output_kernel[(triton.cdiv(Dv, BV), layout.num_chunks, HV)](
         q, k, values, g, strength, U, h, gamma if gamma is not None else g, base if base is not None else out, out,
         cu_seqlens, chunk_seq, chunk_offsets, scale, clip, **shape,
-        BC=chunk_size, BK=BK, BV=BV, DT=DT, DELTA=delta, MODE=mode.value, VARLEN=layout.varlen, num_warps=warps)
+        BC=chunk_size, BK=BK, BV=BV, DT=DT, DELTA=delta, MODE=mode.value, VARLEN=layout.varlen, num_warps=warps,
+        num_stages=stages)
 
 
 def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
