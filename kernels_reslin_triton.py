@@ -463,6 +463,9 @@ class _ChunkRun:
         self.BK, self.BV_full = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
         self.DT = TRITON_DTYPES[q.dtype]
         self.warps = 4 if self.BK <= 128 else 8
+        # Pipelined fp32 tiles take twice the shared memory of bf16 ones: with 3 stages the state
+        # kernel compiled for an H200 at D = 128 needs 213 KB of its 227, and more at D = 256.
+        self.stages = 1 if q.dtype == torch.float32 else 3
         common = dict(BC=chunk_size, BK=self.BK, DT=self.DT, VARLEN=layout.varlen)
         if delta:
             self.X, self.W, U0, self.U = (empty(L, HV, chunk_size), empty(L, HV, Dk), empty(L, HV, Dv),
@@ -478,7 +481,8 @@ class _ChunkRun:
         _chunk_state_kernel[(triton.cdiv(Dv, self.state_tile()), layout.num_sequences * HV)](
             k, v, g, beta, self.gamma_write, self.W, U0, self.U, self.h, self.X_residual, self.W_residual,
             self.U_residual, self.h_residual, self.S, self.R, layout.cu_seqlens, layout.chunk_offsets, clip,
-            **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual, **common, num_warps=self.warps)
+            **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual, **common, num_warps=self.warps,
+            num_stages=self.stages)
 
     def state_tile(self):
         """Value columns a program of the sequential kernels owns: few sequence-heads leave SMs
@@ -494,7 +498,7 @@ class _ChunkRun:
             self.q, self.k, self.v, self.g, self.beta, self.U, self.h, self.gamma if self.residual else self.g,
             self.U_residual, self.h_residual, o, *self.tables, scale, **self.shape, BC=self.chunk_size, BK=self.BK,
             BV=BV, DT=self.DT, DELTA=self.delta, RESIDUAL=self.residual, VARLEN=self.layout.varlen,
-            num_warps=self.warps)
+            num_warps=self.warps, num_stages=self.stages)
         return o
 
 
@@ -802,7 +806,7 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     _chunk_state_backward_kernel[(triton.cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
         run.q, run.k, run.v, run.g, *gates, run.W, run.U, run.h, run.X_residual, run.W_residual, do, dS0, dR0,
         dh_next, dU, dh_next_residual, dU_residual, residual_values, dz, layout.cu_seqlens, layout.chunk_offsets,
-        scale, clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps)
+        scale, clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps, num_stages=run.stages)
     dq, dk = torch.empty(L, HV, Dk, **f32), torch.empty(L, HV, Dk, **f32)
     dv, dg, dbeta = torch.empty(L, HV, Dv, **f32), torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)
     dgamma, dgamma_write = (torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)) if residual else (dg, dg)

@@ -35,16 +35,17 @@ FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "g_ptr", "strength_ptr", "residu
                  "dresidual_strength_ptr")
 
 
-def launches(BK, BV_full, residual):
+def launches(BK, BV_full, residual, fp32):
     """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
     warps = 4 if BK <= 128 else 8
     state_tile = min(BV_full, 32 if residual else 64)
+    stages = 1 if fp32 else 3
     return [
         (kernels._chunk_inverse_kernel, dict(BC=64, BLOCK=16, BK=BK), 2, 3),
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
-        (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, 3),
-        (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
-        (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, 3),
+        (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
+        (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
+        (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
         (kernels._chunk_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), 8, 1),
     ]
 
@@ -80,7 +81,7 @@ def main():
         for head_size in args.head_sizes:
             for delta in (True, False):
                 for residual in (False, True):
-                    for fn, constexprs, warps, stages in launches(head_size, head_size, residual):
+                    for fn, constexprs, warps, stages in launches(head_size, head_size, residual, dtype == "fp32"):
                         params = inspect.signature(fn.fn).parameters
                         flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
