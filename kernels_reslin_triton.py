@@ -385,7 +385,7 @@ def _chunk_pass(q, k, values, g, strength, state, layout, update, scale, mode, o
     HV, Dv = values.shape[1:]
     delta = update == "delta"
     DT = TRITON_DTYPES[q.dtype]
-    cu_seqlens, chunk_seq, chunk_offsets = layout.tables()
+    tables = layout.tables()
     shape = dict(T=layout.T, NT=layout.NT, HV=HV, GROUP=HV // H, DK=Dk, DV=Dv)
     BK, BV_full = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
     warps = 4 if BK <= 128 else 8
@@ -397,7 +397,6 @@ def _chunk_pass(q, k, values, g, strength, state, layout, update, scale, mode, o
         W = torch.empty(L, HV, Dk, device=q.device, dtype=q.dtype)
         U0, U = torch.empty(2, L, HV, Dv, device=q.device, dtype=q.dtype)
         X = torch.empty(L, HV, chunk_size, device=q.device, dtype=q.dtype)
-        tables = (cu_seqlens, chunk_seq, chunk_offsets)
         _chunk_inverse_kernel[(layout.num_chunks, HV)](
             k, g, strength, *tables, X, layout.T, layout.NT, HV, HV // H, Dk,
             BC=chunk_size, BLOCK=BLOCK, BK=BK, DT=DT, VARLEN=layout.varlen, num_warps=2)
@@ -408,13 +407,13 @@ def _chunk_pass(q, k, values, g, strength, state, layout, update, scale, mode, o
     # Few sequence-heads leave SMs idle in the sequential state kernel: narrower value tiles then.
     BV_state = min(BV_full, 64 if layout.num_sequences * HV >= 128 else 32)
     _chunk_state_kernel[(triton.cdiv(Dv, BV_state), layout.num_sequences * HV)](
-        k, values, g, strength, W, U0, U, h, state, cu_seqlens, chunk_offsets, **shape,
+        k, values, g, strength, W, U0, U, h, state, layout.cu_seqlens, layout.chunk_offsets, **shape,
         BC=chunk_size, BK=BK, BV=BV_state, DT=DT, DELTA=delta, VARLEN=layout.varlen, num_warps=warps,
         num_stages=stages)
     BV = min(BV_full, 64)
     _chunk_output_kernel[(triton.cdiv(Dv, BV), layout.num_chunks, HV)](
         q, k, values, g, strength, U, h, gamma if gamma is not None else g, base if base is not None else out, out,
-        cu_seqlens, chunk_seq, chunk_offsets, scale, clip, **shape,
+        *tables, scale, clip, **shape,
         BC=chunk_size, BK=BK, BV=BV, DT=DT, DELTA=delta, MODE=mode.value, VARLEN=layout.varlen, num_warps=warps,
         num_stages=stages)
 
