@@ -431,6 +431,21 @@ class _ChunkLayout:
             self.cu_seqlens = self.chunk_offsets = self.chunk_seq = torch.empty(1, device=device, dtype=torch.int64)
 
 
+def pipeline_stages(fp32, BK, residual):
+    """Software-pipelining depth (num_stages) of the sequential state kernels and the output
+    kernel, and of the reverse state kernel: as deep as an H200's 227 KB of shared memory allows.
+    Measured with tools/compile_for_gpu.py (bf16, tiles as launched): the state kernel needs
+    189 KB at D = 128 with the residual state and 3 stages, 341 KB at D = 256 (226 KB with 2, too
+    close); the reverse kernel 250 KB at D = 128 with 3 stages, 156 KB with 2, and at D = 256
+    205-287 KB with 2. Pipelined fp32 tiles take twice the memory of bf16 ones (213 KB for the
+    state kernel at D = 128 with 3 stages)."""
+    if fp32:
+        return 1, 1
+    if BK > 128:
+        return (1 if residual else 3), 1
+    return 3, 2
+
+
 class _ChunkRun:
     """The inputs of one chunked call laid out as packed tokens, and everything the forward
     computes before its outputs: T^-1, the WY terms, the chunk-start states h and the writes U
@@ -463,9 +478,7 @@ class _ChunkRun:
         self.BK, self.BV_full = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
         self.DT = TRITON_DTYPES[q.dtype]
         self.warps = 4 if self.BK <= 128 else 8
-        # Pipelined fp32 tiles take twice the shared memory of bf16 ones: with 3 stages the state
-        # kernel compiled for an H200 at D = 128 needs 213 KB of its 227, and more at D = 256.
-        self.stages = 1 if q.dtype == torch.float32 else 3
+        self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK, residual)
         common = dict(BC=chunk_size, BK=self.BK, DT=self.DT, VARLEN=layout.varlen)
         if delta:
             self.X, self.W, U0, self.U = (empty(L, HV, chunk_size), empty(L, HV, Dk), empty(L, HV, Dv),
@@ -806,7 +819,8 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     _chunk_state_backward_kernel[(triton.cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
         run.q, run.k, run.v, run.g, *gates, run.W, run.U, run.h, run.X_residual, run.W_residual, do, dS0, dR0,
         dh_next, dU, dh_next_residual, dU_residual, residual_values, dz, layout.cu_seqlens, layout.chunk_offsets,
-        scale, clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps, num_stages=run.stages)
+        scale, clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps,
+        num_stages=run.backward_stages)
     dq, dk = torch.empty(L, HV, Dk, **f32), torch.empty(L, HV, Dk, **f32)
     dv, dg, dbeta = torch.empty(L, HV, Dv, **f32), torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)
     dgamma, dgamma_write = (torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)) if residual else (dg, dg)
@@ -844,6 +858,10 @@ def _absent(like):
     return like.new_empty(0)
 
 
+def _contiguous_like(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def _optional(x):
     return None if x.numel() == 0 else x
 
@@ -861,10 +879,12 @@ def _register_ops():
         o, S, R = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens)
         return o, S, (_absent(S) if R is None else R)
 
+    # The kernels write fresh contiguous tensors whatever the inputs' strides; the fakes must say
+    # so (inductor checks the real strides against them).
     @chunk_forward_op.register_fake
     def _(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale):
-        S = torch.empty_like(S0, memory_format=torch.contiguous_format)
-        return torch.empty_like(v), S, (_absent(S) if gamma is None else torch.empty_like(S))
+        S = _contiguous_like(S0)
+        return _contiguous_like(v), S, (_absent(S) if gamma is None else torch.empty_like(S))
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::chunk_backward", mutates_args=())
     def chunk_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -879,7 +899,7 @@ def _register_ops():
     @chunk_backward_op.register_fake
     def _(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, do, dS, dR, update, clip, scale):
         like = (q, k, v, g, beta, gamma, gamma_write, S0, R0 if gamma is not None else None)
-        return [_absent(q) if x is None else torch.empty_like(x) for x in like]
+        return [_absent(q) if x is None else _contiguous_like(x) for x in like]
 
     def setup_context(ctx, inputs, output):
         q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale = inputs
@@ -902,7 +922,7 @@ def _register_ops():
 
     @decode_step_op.register_fake
     def _(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale):
-        return torch.empty_like(v, memory_format=torch.contiguous_format)
+        return _contiguous_like(v)
 
     return chunk_forward_op, decode_step_op
 

@@ -6,8 +6,9 @@ Register spills are only reported when a kernel is loaded on a GPU.
 
     python tools/compile_for_gpu.py [--head-sizes 64 128 256] [--dtypes bf16 fp32]
 
-The launch configurations (tiles, warps, stages) are those kernels_reslin_triton's host code
-chooses for large batches; keep LAUNCHES in step with it.
+The launch configurations (tiles, warps) are those kernels_reslin_triton's host code chooses for
+large batches (keep `launches` in step with it); the pipelining depths are its own
+`pipeline_stages`.
 """
 
 import argparse
@@ -39,19 +40,24 @@ def launches(BK, BV_full, residual, fp32):
     """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
     warps = 4 if BK <= 128 else 8
     state_tile = min(BV_full, 32 if residual else 64)
-    stages = 1 if fp32 else 3
+    stages, backward_stages = kernels.pipeline_stages(fp32, BK, residual)
     return [
         (kernels._chunk_inverse_kernel, dict(BC=64, BLOCK=16, BK=BK), 2, 3),
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
         (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
-        (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
+        (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, backward_stages),
         (kernels._chunk_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), 8, 1),
     ]
 
 
-def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages):
+def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages, head_size):
+    """Specialised as a launch specialises (16-byte aligned pointers, integers that are multiples
+    of 16 marked so, integers equal to 1 made constants), for B2 x T4096, H = HV = 16: the
+    specialisation changes the tiles' layouts, and with them the shared memory."""
     params = list(inspect.signature(fn.fn).parameters)
+    sizes = dict(T=4096, NT=64, HV=16, GROUP=1, DK=head_size, DV=head_size)
+    constexprs = {**{k: v for k, v in sizes.items() if v == 1 and k in params}, **constexprs}
     signature = {}
     for name in params:
         if name in constexprs:
@@ -64,8 +70,11 @@ def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages):
             signature[name] = pointer_type
         else:
             signature[name] = "fp32" if name in ("scale", "clip") else "i64" if name == "T" else "i32"
+    aligned = [name for name in params if name.endswith("_ptr") or sizes.get(name, 1) % 16 == 0 and name in sizes]
     source = ASTSource(fn=fn, signature=signature,
-                       constexprs={(params.index(name),): value for name, value in constexprs.items()})
+                       constexprs={(params.index(name),): value for name, value in constexprs.items()},
+                       attrs={(params.index(name),): [["tt.divisibility", 16]] for name in aligned
+                              if name not in constexprs})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -91,7 +100,7 @@ def main():
                                  f"{' residual' if residual else ''}")
                         start = time.time()
                         try:
-                            compiled = compile_variant(fn, constexprs, pointer_type, warps, stages)
+                            compiled = compile_variant(fn, constexprs, pointer_type, warps, stages, head_size)
                         except Exception as error:  # report every variant, then fail
                             failures += 1
                             print(f"{label}: does not compile: {str(error).splitlines()[0][:300]}", flush=True)
