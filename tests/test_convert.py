@@ -172,11 +172,13 @@ def test_gdn_conversion_reproduces_fla(fla, case, tmp_path, capsys, load_remote)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gdn_conversion_reproduces_fla_on_gpu_bf16(fla, tmp_path, capsys, load_remote, monkeypatch):
     """FLA's chunked GPU kernels (T = 200 > 64) against ResLin's. Reference: the converted model
-    in fp32. FLA in fp32, its chunked path with full-fp32 dots (fla_logits), must agree with it
-    as closely as the CPU tests do; ResLin in bf16 must be as close to it as FLA in bf16 is: two
-    bf16 pipelines of randomised, unnormalised weights differ by more than either's own rounding
-    (measured on the H200: 0.107 of the largest logit between them). Prints each case's figures
-    (pytest -s) before checking them."""
+    in fp32 on the torch backend (plain matmuls, tf32 off). ResLin's Triton path in fp32 (full-fp32
+    dots) must match it as the CPU tests match FLA (1e-4). FLA in fp32 is held to 1e-2 only: on
+    the H200 it stays 3.0e-3 away even with TRITON_F32_DEFAULT=ieee (1.1e-2 without), so some of
+    its GPU kernels do not compute in full fp32; the CPU tests check the conversion itself against
+    FLA at 1e-4. ResLin in bf16 must be as close to the reference as FLA in bf16 is: two bf16
+    pipelines of randomised, unnormalised weights differ by more than either's own rounding.
+    Prints each case's figures (pytest -s) before checking them."""
     # The reference in true fp32 too (these are torch's defaults, stated here in case they change).
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
@@ -187,20 +189,22 @@ def test_gdn_conversion_reproduces_fla_on_gpu_bf16(fla, tmp_path, capsys, load_r
         code, _, err = run(capsys, "--src", tmp_path / case, "--dst", tmp_path / f"{case}-reslin",
                            "--attn-type", "gdn")
         assert code == 0, err
-        model = load_remote(tmp_path / f"{case}-reslin", dtype=torch.float32).cuda().eval()
+        load = lambda backend: load_remote(tmp_path / f"{case}-reslin", dtype=torch.float32,  # noqa: E731
+                                           kernel_backend=backend).cuda().eval()
+        model = load("triton")
         with torch.no_grad():
-            reference = model(tokens).logits
-            fla_fp32 = fla_logits(source, tokens)
-            fla_bf16 = fla_logits(source.bfloat16(), tokens).float()
-            ours_bf16 = model.bfloat16()(tokens).logits.float()
+            reference = load("torch")(tokens).logits
+            outputs = dict(ours_fp32=model(tokens).logits, fla_fp32=fla_logits(source, tokens),
+                           fla_bf16=fla_logits(source.bfloat16(), tokens).float(),
+                           ours_bf16=model.bfloat16()(tokens).logits.float())
         scale = reference.abs().max()
-        errors[case] = {name: ((x - reference).abs().max() / scale).item()
-                        for name, x in (("fla_fp32", fla_fp32), ("fla_bf16", fla_bf16), ("ours_bf16", ours_bf16))}
+        errors[case] = {name: ((x - reference).abs().max() / scale).item() for name, x in outputs.items()}
         with capsys.disabled():
-            print(f"\n{case}: max |logits - converted fp32| / max |converted fp32 logits|:",
+            print(f"\n{case}: max |logits - converted fp32, torch backend| / its max |logit|:",
                   {name: f"{e:.2e}" for name, e in errors[case].items()})
     for case, e in errors.items():
-        assert e["fla_fp32"] <= FLA_TOLERANCE, (case, e)
+        assert e["ours_fp32"] <= FLA_TOLERANCE, (case, e)
+        assert e["fla_fp32"] <= 1e-2, (case, e)
         assert e["ours_bf16"] <= 2 * e["fla_bf16"] + 1e-3, (case, e)
 
 

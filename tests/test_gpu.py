@@ -106,11 +106,11 @@ def test_triton_decode_bf16_at_real_sizes(name, update, residual, kaczmarz, B, m
         assert rel_err(R, R_ref) < 5e-3
 
 
-@pytest.mark.parametrize("B,T", [(2, 8192), (1, 131072)])
+@pytest.mark.parametrize("B,T,H,D", [(2, 8192, 16, 128), (1, 131072, 16, 128), (2, 4096, 8, 256), (4, 4096, 16, 64)])
 @pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
-def test_triton_chunked_forward_bf16_at_real_sizes(name, update, residual, kaczmarz, B, T, monkeypatch):
+def test_triton_chunked_forward_bf16_at_real_sizes(name, update, residual, kaczmarz, B, T, H, D, monkeypatch):
     """The chunked Triton forward, bf16 inputs, H = 16, D = 128, 16K tokens and one 131072-token
-    sequence (64-bit offsets), against the fp32 reference (the chunked torch backend, itself
+    sequence (64-bit offsets), and the other head sizes (their own pipelining depths), against the fp32 reference (the chunked torch backend, itself
     checked against the per-token one above): relative error <= 5e-3 for outputs and final
     states; fresh outputs NaN-filled so that an element never written shows."""
     real_empty = torch.empty
@@ -120,7 +120,7 @@ def test_triton_chunked_forward_bf16_at_real_sizes(name, update, residual, kaczm
         return x.fill_(float("nan")) if x.is_floating_point() else x
 
     monkeypatch.setattr(torch, "empty", nan_filled)
-    x = to_cuda(make_inputs(B, T, 16, 16, 128, 128, residual, kaczmarz=kaczmarz), torch.bfloat16)
+    x = to_cuda(make_inputs(B, T, H, H, D, D, residual, kaczmarz=kaczmarz), torch.bfloat16)
     args = [None if x[n] is None else x[n].detach() for n in ("q", "k", "v", "g", "beta", "gamma")]
     kwargs = dict(update=update, initial_state=(x["S0"].detach(), None if x["R0"] is None else x["R0"].detach()),
                   output_final_state=True,
@@ -142,12 +142,14 @@ def test_auto_backend_falls_back_to_torch_for_head_sizes_the_chunked_kernels_ref
     assert torch.equal(o_auto, o_torch)
 
 
+@pytest.mark.parametrize("B,T,H,D", [(2, 4096, 16, 128), (1, 4096, 8, 256), (4, 2048, 16, 64)])
 @pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
-def test_triton_backward_bf16_at_real_sizes(name, update, residual, kaczmarz):
-    """The Triton backward, bf16 inputs, H = 16, D = 128, B2 x T4096, against autograd through the
-    chunked torch backend on the same inputs (fp32 inside): relative error <= 1e-2 for dq, dk,
-    dv and <= 2e-2 for the gates' and the initial states' gradients (issue "Triton backward")."""
-    x = to_cuda(make_inputs(2, 4096, 16, 16, 128, 128, residual, kaczmarz=kaczmarz), torch.bfloat16)
+def test_triton_backward_bf16_at_real_sizes(name, update, residual, kaczmarz, B, T, H, D):
+    """The Triton backward, bf16 inputs, H = 16, D = 128, B2 x T4096 (and head sizes 256 and 64),
+    against autograd through the chunked torch backend on the same inputs (fp32 inside): relative
+    error <= 1e-2 for dq, dk, dv and <= 2e-2 for the gates' and the initial states' gradients
+    (issue "Triton backward")."""
+    x = to_cuda(make_inputs(B, T, H, H, D, D, residual, kaczmarz=kaczmarz), torch.bfloat16)
     names = [n for n, t in x.items() if t is not None]
     results = {}
     for backend in ("torch", "triton"):
