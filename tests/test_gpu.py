@@ -11,11 +11,18 @@ import torch
 
 from conftest import build_model, left_pad
 from test_generate import cache_of
-from kernels_reslin import reslin_attention, reslin_decode_step
+from kernels_reslin import CHUNKED_RESIDUAL_MAX_HEAD_DIM, reslin_attention, reslin_decode_step
 from test_kernels import STEPPED_RULES, make_inputs, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def chunked_cases(shapes):
+    """Every rule at every (B, T, H, D), but the residual rules only at the head sizes the chunked
+    kernels take with the residual state (they refuse larger ones: tested below)."""
+    return [(*rule, *shape) for shape in shapes for rule in STEPPED_RULES
+            if not rule[2] or shape[-1] <= CHUNKED_RESIDUAL_MAX_HEAD_DIM]
 
 
 def to_cuda(x, dtype):
@@ -106,8 +113,7 @@ def test_triton_decode_bf16_at_real_sizes(name, update, residual, kaczmarz, B, m
         assert rel_err(R, R_ref) < 5e-3
 
 
-@pytest.mark.parametrize("B,T,H,D", [(2, 8192, 16, 128), (1, 131072, 16, 128), (2, 4096, 8, 256), (4, 4096, 16, 64)])
-@pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
+@pytest.mark.parametrize("name,update,residual,kaczmarz,B,T,H,D", chunked_cases([(2, 8192, 16, 128), (1, 131072, 16, 128), (2, 4096, 8, 256), (4, 4096, 16, 64)]))
 def test_triton_chunked_forward_bf16_at_real_sizes(name, update, residual, kaczmarz, B, T, H, D, monkeypatch):
     """The chunked Triton forward, bf16 inputs, H = 16, D = 128, 16K tokens and one 131072-token
     sequence (64-bit offsets), and the other head sizes (their own pipelining depths), against the fp32 reference (the chunked torch backend, itself
@@ -133,17 +139,17 @@ def test_triton_chunked_forward_bf16_at_real_sizes(name, update, residual, kaczm
         assert rel_err(R, R_ref) < 5e-3
 
 
-def test_auto_backend_falls_back_to_torch_for_head_sizes_the_chunked_kernels_refuse():
-    x = to_cuda(make_inputs(2, 100, 2, 2, 100, 72, residual=False), torch.bfloat16)
-    args = [x[n].detach() for n in ("q", "k", "v", "g", "beta")]
+@pytest.mark.parametrize("Dk,Dv,residual", [(100, 72, False), (256, 256, True)])
+def test_auto_backend_falls_back_to_torch_for_head_sizes_the_chunked_kernels_refuse(Dk, Dv, residual):
+    x = to_cuda(make_inputs(2, 100, 2, 2, Dk, Dv, residual=residual), torch.bfloat16)
+    args = [None if x[n] is None else x[n].detach() for n in ("q", "k", "v", "g", "beta", "gamma")]
     with torch.no_grad():
         o_auto, _ = reslin_attention(*args, backend="auto")
         o_torch, _ = reslin_attention(*args, backend="torch")
     assert torch.equal(o_auto, o_torch)
 
 
-@pytest.mark.parametrize("B,T,H,D", [(2, 4096, 16, 128), (1, 4096, 8, 256), (4, 2048, 16, 64)])
-@pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
+@pytest.mark.parametrize("name,update,residual,kaczmarz,B,T,H,D", chunked_cases([(2, 4096, 16, 128), (1, 4096, 8, 256), (4, 2048, 16, 64)]))
 def test_triton_backward_bf16_at_real_sizes(name, update, residual, kaczmarz, B, T, H, D):
     """The Triton backward, bf16 inputs, H = 16, D = 128, B2 x T4096 (and head sizes 256 and 64),
     against autograd through the chunked torch backend on the same inputs (fp32 inside): relative
