@@ -7,6 +7,7 @@ destination is assembled in a hidden sibling folder and renamed into place only 
 (weights, config, code, checks, probe) succeeded, so a failure leaves nothing half-written.
 """
 
+import functools
 import json
 import math
 import os
@@ -149,17 +150,20 @@ def fetch_from_hub(repo_id, revision=None):
 
     First the small files (HUB_SMALL_FILES), which also fixes the commit; then, from that same
     commit, one weight format: the safetensors (the shards its index lists) when the repository
-    has them, else the .bin files. With HF_HUB_OFFLINE=1, or without a connection, huggingface_hub
-    answers from its cache."""
-    from huggingface_hub import snapshot_download
+    has them, else the .bin files. With HF_HUB_OFFLINE=1 everything comes from huggingface_hub's
+    cache (local_files_only: huggingface_hub 1.x's snapshot_download at a commit hash would list
+    the repository online regardless); without a connection, huggingface_hub 2.x answers from
+    its cache too."""
+    from huggingface_hub import constants, snapshot_download
 
     where = repr(repo_id) + (f" (revision {revision!r})" if revision is not None else "")
+    fetch = functools.partial(snapshot_download, repo_id, local_files_only=constants.HF_HUB_OFFLINE)
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_SMALL_FILES)))
+        folder = Path(fetch(revision=revision, allow_patterns=list(HUB_SMALL_FILES)))
         commit = folder.name  # .../snapshots/<commit hash>
         weights = hub_weight_names(repo_id, commit, folder)
         if weights:
-            snapshot_download(repo_id, revision=commit, allow_patterns=weights)
+            fetch(revision=commit, allow_patterns=weights)
     except ConversionError as error:
         raise ConversionError(f"Hub repo {where}: {error}") from None
     except Exception as error:
