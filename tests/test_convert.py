@@ -121,13 +121,13 @@ FLA_CASES = {
 }
 
 
-def make_fla_folder(fla, folder, case, dtype=torch.float32, seed=0):
+def make_fla_folder(fla, folder, case, dtype=torch.float32, seed=0, head_dim=16, expand_v=0.5):
     GatedDeltaNetConfig, GatedDeltaNetForCausalLM = fla
     torch.manual_seed(seed)
     # Head value size 8 and few heads: the interpreter runs one program per (value block, head).
-    config = GatedDeltaNetConfig(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=16, expand_v=0.5,
-                                 hidden_ratio=2, vocab_size=96, norm_eps=1e-5, fuse_cross_entropy=False,
-                                 **FLA_CASES[case])
+    config = GatedDeltaNetConfig(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=head_dim,
+                                 expand_v=expand_v, hidden_ratio=2, vocab_size=96, norm_eps=1e-5,
+                                 fuse_cross_entropy=False, **FLA_CASES[case])
     model = GatedDeltaNetForCausalLM(config)
     randomize(model, seed)
     model = model.to(dtype).eval()
@@ -185,7 +185,8 @@ def test_gdn_conversion_reproduces_fla_on_gpu_bf16(fla, tmp_path, capsys, load_r
     tokens = torch.randint(96, (2, 200), generator=torch.Generator().manual_seed(1)).cuda()
     errors = {}
     for case in ("grouped_v_sharded", "hybrid"):  # hybrid: flash-attn, or the fixture's SDPA stand-in
-        source = make_fla_folder(fla, tmp_path / case, case).cuda()
+        # Head sizes of 32: ResLin's chunked Triton kernels take multiples of 16.
+        source = make_fla_folder(fla, tmp_path / case, case, head_dim=32, expand_v=1).cuda()
         code, _, err = run(capsys, "--src", tmp_path / case, "--dst", tmp_path / f"{case}-reslin",
                            "--attn-type", "gdn")
         assert code == 0, err

@@ -91,11 +91,16 @@ def test_chunked_forward_matches_reference(name, update, residual, kaczmarz, cas
 
 def test_chunked_triton_forward_names_the_head_sizes_it_takes():
     x = on_device(make_inputs(1, 4, 1, 1, 24, 16, residual=False))
-    with pytest.raises(ValueError, match="multiples of 16, at most 128 with the residual state; got Dk = 24, Dv = 16:"):
+    with pytest.raises(ValueError, match="multiples of 16, at most 128 with the residual state or for the delta "
+                                         "rule's backward; got Dk = 24, Dv = 16:"):
         reslin_attention(*(x[n] for n in ("q", "k", "v", "g", "beta")), backend="triton")
     wide = on_device(make_inputs(1, 4, 1, 1, 256, 256, residual=True))
     with pytest.raises(ValueError, match="got Dk = 256, Dv = 256 with the residual state"):
         reslin_attention(*(wide[n] for n in ("q", "k", "v", "g", "beta", "gamma")), backend="triton")
+    wide = on_device(make_inputs(1, 4, 1, 1, 256, 256, residual=False, requires_grad=True))
+    with pytest.raises(ValueError, match="got Dk = 256, Dv = 256 for the delta rule's backward"):
+        reslin_attention(*(wide[n] for n in ("q", "k", "v", "g", "beta")), backend="triton")
+    reslin_attention(*(wide[n] for n in ("q", "k", "v", "g", "beta")), update="additive", backend="triton")
     one_token = {n: x[n][:, :1] for n in ("q", "k", "v", "g", "beta")}  # the decode kernel takes any size
     assert rel_err(reslin_attention(**one_token, backend="triton")[0],
                    reslin_attention(**one_token, backend="recurrent")[0]) < 1e-5
