@@ -1,0 +1,96 @@
+"""Where the time of one chunked call goes: GPU time per kernel, ours beside FLA 0.6.0's, same run.
+
+bench_forward.py says how far a rule is from its goal; this says which kernel to work on. For
+each rule and shape it runs the call (forward, or with --backward forward + backward) under
+torch.profiler and prints every kernel's GPU time per call, ours then FLA's baseline for the
+rule (the same baselines as bench_forward.py), each with its share of the call's total.
+
+    python benchmarks/kernel_times.py [--shapes 8x2048 1x32768] [--rules gdn rdn] [--backward]
+    python benchmarks/kernel_times.py --smoke   # tiny sizes on a CPU: checks the script runs
+
+On a CPU the kernels run in Triton's interpreter, which the profiler does not see: --smoke
+prints the torch operators' CPU times instead.
+"""
+
+import argparse
+import collections
+import contextlib
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_forward import fla_baseline, forward_backward, parse_shape
+from common import DEVICE, RULES, import_fla, lift_fla_backward_guard, print_header, rule_inputs
+from kernels_reslin import reslin_attention
+
+
+def kernel_times(call, repeats):
+    """{kernel name: microseconds per call} of `call`, after one warm-up call (compilation)."""
+    call()
+    activities = [ProfilerActivity.CUDA] if DEVICE == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for _ in range(repeats):
+            call()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    times = collections.Counter()
+    for event in prof.events():
+        if DEVICE == "cuda" and event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] += event.device_time / repeats
+        elif DEVICE != "cuda" and event.cpu_parent is None:
+            times[event.name] += event.cpu_time_total / repeats
+    return times
+
+
+def print_times(label, times):
+    total = sum(times.values())
+    print(f"  {label}: {total:8.1f} us per call")
+    for name, us in times.most_common():
+        print(f"    {us:8.1f} us {100 * us / total:5.1f}%  {name[:90]}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[(8, 2048), (1, 32768)])
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--rules", nargs="+", choices=list(RULES), default=list(RULES))
+    parser.add_argument("--backward", action="store_true", help="forward + backward (a training call)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script itself")
+    args = parser.parse_args()
+    if args.smoke:
+        args.shapes, args.heads, args.dim, args.repeats, args.rules = [(1, 70)], 2, 32, 1, ["gdn", "rdn"]
+    fla = import_fla()
+    note = lift_fla_backward_guard() if fla is not None and args.backward else None
+    H, D = args.heads, args.dim
+    print_header(f"GPU time per kernel, {'forward + backward' if args.backward else 'forward'}, "
+                 f"backend 'triton', H={H} Dk=Dv={D}, mean of {args.repeats} calls")
+    if note:
+        print(note)
+    torch.manual_seed(0)
+    with contextlib.nullcontext() if args.backward else torch.no_grad():
+        for rule in args.rules:
+            for B, T in args.shapes:
+                x = rule_inputs(rule, B, T, H, D)
+                S0 = R0 = weight = None
+                ours = lambda: reslin_attention(**x, backend="triton")  # noqa: E731
+                if args.backward:
+                    x = {name: t.requires_grad_() if torch.is_tensor(t) else t for name, t in x.items()}
+                    S0 = torch.zeros(B, H, D, D, device=DEVICE, requires_grad=True)
+                    R0 = torch.zeros_like(S0, requires_grad=True) if x["gamma"] is not None else None
+                    weight = torch.randn_like(x["v"])
+                    ours = forward_backward(
+                        lambda: reslin_attention(**x, initial_state=(S0, R0), backend="triton")[0],
+                        [x[name] for name in ("q", "k", "v", "g", "beta", "gamma", "gamma_write")] + [S0, R0],
+                        weight)
+                print(f"\n{rule} {B}x{T}")
+                print_times("ours", kernel_times(ours, args.repeats))
+                if fla is not None:
+                    name, call, inputs = fla_baseline(fla, rule, x, S0)
+                    print_times(f"FLA {name}", kernel_times(
+                        forward_backward(call, inputs, weight) if args.backward else call, args.repeats))
+
+
+if __name__ == "__main__":
+    main()
