@@ -3,7 +3,9 @@
 bench_forward.py says how far a rule is from its goal; this says which kernel to work on. For
 each rule and shape it runs the call (forward, or with --backward forward + backward) under
 torch.profiler and prints every kernel's GPU time per call, ours then FLA's baseline for the
-rule (the same baselines as bench_forward.py), each with its share of the call's total.
+rule (the same baselines as bench_forward.py), each with its share of the kernels' total, and
+beside that total the call's own time as bench_forward.py measures it (a call slower than its
+kernels is bound by the host: Python and launches).
 
     python benchmarks/kernel_times.py [--shapes 8x2048 1x32768] [--rules gdn rdn] [--backward]
     python benchmarks/kernel_times.py --smoke   # tiny sizes on a CPU: checks the script runs
@@ -20,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_forward import fla_baseline, forward_backward, parse_shape
-from common import DEVICE, RULES, import_fla, lift_fla_backward_guard, print_header, rule_inputs
+from common import DEVICE, RULES, import_fla, lift_fla_backward_guard, median_ms, print_header, rule_inputs
 from kernels_reslin import reslin_attention
 
 
@@ -42,9 +44,12 @@ def kernel_times(call, repeats):
     return times
 
 
-def print_times(label, times):
+def print_times(label, call, repeats):
+    """The kernels' times, and beside their sum the call's time as bench_forward.py takes it: where
+    the call takes longer than its kernels, the host (Python, launches) is the slower side."""
+    times = kernel_times(call, repeats)
     total = sum(times.values())
-    print(f"  {label}: {total:8.1f} us per call")
+    print(f"  {label}: {total:8.1f} us in kernels, {1e3 * median_ms(call, repeats):8.1f} us per call")
     for name, us in times.most_common():
         print(f"    {us:8.1f} us {100 * us / total:5.1f}%  {name[:90]}")
 
@@ -85,11 +90,11 @@ def main():
                         [x[name] for name in ("q", "k", "v", "g", "beta", "gamma", "gamma_write")] + [S0, R0],
                         weight)
                 print(f"\n{rule} {B}x{T}")
-                print_times("ours", kernel_times(ours, args.repeats))
+                print_times("ours", ours, args.repeats)
                 if fla is not None:
                     name, call, inputs = fla_baseline(fla, rule, x, S0)
-                    print_times(f"FLA {name}", kernel_times(
-                        forward_backward(call, inputs, weight) if args.backward else call, args.repeats))
+                    print_times(f"FLA {name}", forward_backward(call, inputs, weight) if args.backward else call,
+                                args.repeats)
 
 
 if __name__ == "__main__":
