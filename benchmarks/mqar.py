@@ -34,8 +34,19 @@ of the best lr per attn type, and JSON (--out) with every run. Data and initial 
 --seed alone, so every attn type sees the same examples; the data differ between CPU and CUDA (their
 generators differ). Rerun with other seeds to see the noise.
 
-GPU cost: see the README's MQAR section for the measured figures and for the estimate this script
-was planned with.
+GPU cost, estimated for one H200 (not yet measured: each run prints its ms/step and seconds). A
+step is 32 x 256 = 8192 tokens. FLOPs: 6 x 2.36M non-embedding parameters x 8192 tokens = 116 G,
+the output layer at the 1024 answer positions 13 G, the chunked attention ~8 G (~15 G with the
+residual state): ~0.14 TFLOP a step, 1.4 PFLOP for 10K steps, 2 s at the H200's ~750 TFLOP/s
+(bf16, measured) or ~10 s at a fifth of it for these narrow matrices. So the host bounds a step,
+not the GPU: counted on the CPU (TorchDispatchMode, Triton in its interpreter), a step launches
+~190 ATen kernels in the forward, ~440 in the backward, 18 Triton kernels, and ~60 for autocast's
+casts, clipping and the fused AdamW; at ~5-10 us a launch in eager PyTorch and ~25 us a Triton
+launch from Python, ~5-7 ms a step (the model also reads input_ids on the host at each forward,
+a device sync). A run of 10K steps: ~60 s, plus ~1 s of evaluation (7.7M tokens, forward only)
+and, once per process, ~1 min of start-up (CUDA, compiling ~20 Triton kernel variants). The
+table (gdn, kla, rdn, rkla at one lr, one seed): ~5-6 min; a 3-value lr sweep: ~14 min; each
+further seed: ~5 min. On a shared CPU set OMP_NUM_THREADS=1 (threads oversubscribed were 20x slower).
 
     python benchmarks/mqar.py --device cuda --attn-types gdn kla rdn rkla --out out/mqar_seed0.json
     python benchmarks/mqar.py --device cuda --attn-types kla --lr 3e-4 1e-3 3e-3 --seed 1
@@ -69,7 +80,7 @@ PAPER_MODEL = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=2, num_he
 PAPER_TASK = dict(train_length=256, kv_pairs=32, train_examples=20000, eval_examples=2000, batch_size=32, steps=10000)
 SMOKE_MODEL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16, expand_v=1.0,
                    intermediate_size=64, norm_eps=1e-5)
-SMOKE_TASK = dict(train_length=32, kv_pairs=4, train_examples=256, eval_examples=32, batch_size=16, steps=20)
+SMOKE_TASK = dict(train_length=32, kv_pairs=4, train_examples=20000, eval_examples=32, batch_size=16, steps=20)
 
 
 def make_mqar(num_examples, seq_len, kv_pairs, vocab_size, generator):
