@@ -391,6 +391,10 @@ def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr,
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
     h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
+    # The chunk-start states are loaded first, so that their latency hides behind Q K^T.
+    h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
+    if RESIDUAL:
+        h_residual = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
     if DELTA:
         U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
     else:
@@ -401,15 +405,13 @@ def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr,
         _mm(q, tl.trans(k), DT)
     q_decayed = tl.exp(G)[:, None]
     if RESIDUAL:
-        o = q_decayed * _mm(q, tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0), DT) + \
-            _mm(tl.where(r[:, None] > r[None, :], attend, 0.0), U, DT)
+        o = q_decayed * _mm(q, h, DT) + _mm(tl.where(r[:, None] > r[None, :], attend, 0.0), U, DT)
         gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
         U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV)
-        residual_read = q_decayed * _mm(q, tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0), DT) + \
-            _mm(attend, U_residual, DT)
+        residual_read = q_decayed * _mm(q, h_residual, DT) + _mm(attend, U_residual, DT)
         o = o + gamma[:, None] * residual_read
     else:
-        o = q_decayed * _mm(q, tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0), DT) + _mm(attend, U, DT)
+        o = q_decayed * _mm(q, h, DT) + _mm(attend, U, DT)
     _store_rows(o_ptr, rows, row_ok, head, HV, vcols, DV, scale * o)
 
 
