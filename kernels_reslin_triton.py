@@ -944,10 +944,15 @@ chunk_forward_op, decode_step_op = _register_ops()
 
 
 def chunk_attention(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens):
-    """The chunked forward through its custom op (differentiable): (o, S, R), R None without
-    the residual state."""
-    o, S, R = chunk_forward_op(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale)
-    return o, S, (R if gamma is not None else None)
+    """The chunked forward, differentiable: (o, S, R), R None without the residual state. Through
+    its custom op where autograd or torch.compile needs it; otherwise chunk_forward itself (the
+    op's dispatch costs tens of microseconds a call)."""
+    inputs = (q, k, v, g, beta, gamma, gamma_write, S0, R0)
+    if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)):
+        o, S, R = chunk_forward_op(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale)
+        return o, S, (R if gamma is not None else None)
+    return chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens)
 
 
 def decode_step_call(*args):
