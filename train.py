@@ -5,7 +5,7 @@
     python train.py --out-dir out/rdn --time-budget 20                            # train for 20 minutes
 
 1. Data. Every file matching --pattern under --corpus is a document. Files go to the train or the
-   validation split by a hash of their path (the same split on every machine, whatever the seed).
+   validation split by a hash of their path (not by the seed, nor by the order files are found in).
    A byte-level BPE tokenizer is trained on the train split, and both splits are tokenized, each
    file as <bos> text <eos>. All of it is cached under --data-dir, keyed by the corpus's content and
    the data settings, so a rerun neither retrains the tokenizer nor retokenizes.
@@ -561,7 +561,9 @@ def main(argv=None):
         metrics["validation"].append(validate(validation_subset, "validation"))
     session_start, start_seconds = time.perf_counter(), seconds
     session_tokens, session_step_seconds = 0, 0.0  # for the throughput: training steps only
-    progress_bar = tqdm(total=args.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+    # Into a log file rather than a terminal, a line every 30 s, not ten a second.
+    progress_bar = tqdm(total=args.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+                        mininterval=0.1 if sys.stderr.isatty() else 30)
     while (progress := run_progress(args, step, seconds)) < 1:
         step_start = time.perf_counter()
         lr = learning_rate(args, step, progress)
