@@ -7,6 +7,8 @@ checkpoint reproduces it bit for bit.
 
 import json
 import math
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
+from conftest import REPO_ROOT
 
 # Repetitive code, so that a tiny model learns it within a few dozen steps.
 CORPUS = {f"module_{i}.py": "".join(f"def add_{i}_{j}(a, b):\n    return a + b * {j}  # café\n\n" for j in range(40))
@@ -179,6 +182,20 @@ def test_output_folder_loads_and_generates(trained_run):
     for fact in (f"{final['loss']:.4f}", f"{final['bits_per_byte']:.4f}", "7,680 tokens seen", metrics["commands"][0],
                  "library_name: transformers"):
         assert fact in card
+
+
+@pytest.mark.parametrize("folder", ["trained", "repository"])
+def test_main_job_streams_a_completion(trained_run, folder):
+    """generate.py, the README's main command: a trained folder completes the prompt through its
+    tokenizer; the repository itself (random weights until a model ships) says so, and runs."""
+    extra = ["--model", str(trained_run[0])] if folder == "trained" else []
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "generate.py"), "def add_1_3(a, b):\n",
+                             "--max-new-tokens", "6", "--device", "cpu", *extra],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def add_1_3(a, b):\n") and len(result.stdout) > len("def add_1_3(a, b):\n")
+    assert "<eos>" not in result.stdout and " new tokens in " in result.stderr
+    assert ("RANDOM weights" in result.stderr) == (folder == "repository")
 
 
 def test_resumed_run_reproduces_the_uninterrupted_run(corpus, data_dir, trained_run, tmp_path, monkeypatch):
