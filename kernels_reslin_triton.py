@@ -19,6 +19,16 @@ except ImportError:  # kernels_reslin falls back to the "torch" backend without 
 import torch
 
 
+# Host-side sizes in plain Python: triton.cdiv and triton.next_power_of_2 are constexpr functions
+# in triton 3.6, whose calls cost microseconds each, on every launch.
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_power_of_2(n):
+    return 1 << (n - 1).bit_length()
+
+
 @triton.jit
 def _decode_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, gamma_write_ptr,
                         S_ptr, R_ptr, o_ptr, scale, clip, HV, GROUP, DK, DV,
@@ -77,10 +87,10 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
     if residual:
         gamma, gamma_write = (x if x.is_contiguous() else x.contiguous() for x in (gamma, gamma_write))
     o = torch.empty_like(v)
-    BK = triton.next_power_of_2(Dk)
+    BK = _next_power_of_2(Dk)
     # Enough programs to fill the GPU at small batches, and state tiles of <= 4K fp32 a program.
-    BV = min(triton.next_power_of_2(Dv), max(16, 4096 // BK))
-    grid = (N * HV, triton.cdiv(Dv, BV))
+    BV = min(_next_power_of_2(Dv), max(16, 4096 // BK))
+    grid = (N * HV, _cdiv(Dv, BV))
     _decode_step_kernel[grid](
         q, k, v, g, beta, gamma if residual else g, gamma_write if residual else g,
         S, R if residual else S, o, scale, clip, HV, HV // H, Dk, Dv,
@@ -116,6 +126,7 @@ CHUNK_SIZE = 64
 BLOCK = 16  # T^-1 is built from BLOCK x BLOCK blocks: CHUNK_SIZE = 4 * BLOCK
 
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
 
 
 @triton.jit
@@ -391,6 +402,10 @@ def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr,
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
     h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
+    # The chunk-start states are loaded first, so that their latency hides behind Q K^T.
+    h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
+    if RESIDUAL:
+        h_residual = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
     if DELTA:
         U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
     else:
@@ -401,15 +416,13 @@ def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr,
         _mm(q, tl.trans(k), DT)
     q_decayed = tl.exp(G)[:, None]
     if RESIDUAL:
-        o = q_decayed * _mm(q, tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0), DT) + \
-            _mm(tl.where(r[:, None] > r[None, :], attend, 0.0), U, DT)
+        o = q_decayed * _mm(q, h, DT) + _mm(tl.where(r[:, None] > r[None, :], attend, 0.0), U, DT)
         gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
         U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV)
-        residual_read = q_decayed * _mm(q, tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0), DT) + \
-            _mm(attend, U_residual, DT)
+        residual_read = q_decayed * _mm(q, h_residual, DT) + _mm(attend, U_residual, DT)
         o = o + gamma[:, None] * residual_read
     else:
-        o = q_decayed * _mm(q, tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0), DT) + _mm(attend, U, DT)
+        o = q_decayed * _mm(q, h, DT) + _mm(attend, U, DT)
     _store_rows(o_ptr, rows, row_ok, head, HV, vcols, DV, scale * o)
 
 
@@ -417,7 +430,7 @@ class _ChunkLayout:
     """Where the chunks of B rows of T tokens, or of packed sequences (cu_seqlens), lie."""
 
     def __init__(self, B, T, cu_seqlens, device, chunk_size):
-        self.T, self.NT, self.varlen = T, triton.cdiv(T, chunk_size), cu_seqlens is not None
+        self.T, self.NT, self.varlen = T, _cdiv(T, chunk_size), cu_seqlens is not None
         if self.varlen:
             self.cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
             chunks = (self.cu_seqlens.diff() + chunk_size - 1) // chunk_size
@@ -475,7 +488,7 @@ class _ChunkRun:
             self.gamma_write = beta
         self.tables = (layout.cu_seqlens, layout.chunk_seq, layout.chunk_offsets)
         self.shape = dict(T=layout.T, NT=layout.NT, HV=HV, GROUP=HV // H, DK=Dk, DV=Dv)
-        self.BK, self.BV_full = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
+        self.BK, self.BV_full = max(16, _next_power_of_2(Dk)), max(16, _next_power_of_2(Dv))
         self.DT = TRITON_DTYPES[q.dtype]
         self.warps = 4 if self.BK <= 128 else 8
         self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK, residual)
@@ -491,7 +504,7 @@ class _ChunkRun:
             _chunk_wy_kernel[(layout.num_chunks, HV)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
                 **self.shape, BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
-        _chunk_state_kernel[(triton.cdiv(Dv, self.state_tile()), layout.num_sequences * HV)](
+        _chunk_state_kernel[(_cdiv(Dv, self.state_tile()), layout.num_sequences * HV)](
             k, v, g, beta, self.gamma_write, self.W, U0, self.U, self.h, self.X_residual, self.W_residual,
             self.U_residual, self.h_residual, self.S, self.R, layout.cu_seqlens, layout.chunk_offsets, clip,
             **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual, **common, num_warps=self.warps,
@@ -507,7 +520,7 @@ class _ChunkRun:
         o = torch.empty_like(self.v)
         HV, Dv = self.v.shape[1:]
         BV = min(self.BV_full, 64)
-        _chunk_output_kernel[(triton.cdiv(Dv, BV), self.layout.num_chunks, HV)](
+        _chunk_output_kernel[(_cdiv(Dv, BV), self.layout.num_chunks, HV)](
             self.q, self.k, self.v, self.g, self.beta, self.U, self.h, self.gamma if self.residual else self.g,
             self.U_residual, self.h_residual, o, *self.tables, scale, **self.shape, BC=self.chunk_size, BK=self.BK,
             BV=BV, DT=self.DT, DELTA=self.delta, RESIDUAL=self.residual, VARLEN=self.layout.varlen,
@@ -816,7 +829,7 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         if residual else (dh_next, dU, dU, dU))
     gates = (run.beta, run.gamma if residual else run.g, run.gamma_write)
     common = dict(BC=chunk_size, BK=run.BK, DT=run.DT, DELTA=run.delta, RESIDUAL=residual, VARLEN=layout.varlen)
-    _chunk_state_backward_kernel[(triton.cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
+    _chunk_state_backward_kernel[(_cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
         run.q, run.k, run.v, run.g, *gates, run.W, run.U, run.h, run.X_residual, run.W_residual, do, dS0, dR0,
         dh_next, dU, dh_next_residual, dU_residual, residual_values, dz, layout.cu_seqlens, layout.chunk_offsets,
         scale, clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps,
@@ -931,10 +944,15 @@ chunk_forward_op, decode_step_op = _register_ops()
 
 
 def chunk_attention(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens):
-    """The chunked forward through its custom op (differentiable): (o, S, R), R None without
-    the residual state."""
-    o, S, R = chunk_forward_op(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale)
-    return o, S, (R if gamma is not None else None)
+    """The chunked forward, differentiable: (o, S, R), R None without the residual state. Through
+    its custom op where autograd or torch.compile needs it; otherwise chunk_forward itself (the
+    op's dispatch costs tens of microseconds a call)."""
+    inputs = (q, k, v, g, beta, gamma, gamma_write, S0, R0)
+    if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)):
+        o, S, R = chunk_forward_op(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale)
+        return o, S, (R if gamma is not None else None)
+    return chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens)
 
 
 def decode_step_call(*args):

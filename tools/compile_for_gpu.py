@@ -4,7 +4,7 @@ memory fits the GPU (232448 bytes on an H200; a launch past it fails with OutOfR
 Device time is scarce: this catches compile errors and shared-memory overflows before a GPU run.
 Register spills are only reported when a kernel is loaded on a GPU.
 
-    python tools/compile_for_gpu.py [--head-sizes 64 128 256] [--dtypes bf16 fp32]
+    python tools/compile_for_gpu.py [--head-sizes 64 128 256] [--dtypes bf16 fp32] [--registers]
 
 The launch configurations (tiles, warps) are those kernels_reslin_triton's host code chooses for
 large batches (keep `launches` in step with it); the pipelining depths are its own
@@ -14,7 +14,10 @@ large batches (keep `launches` in step with it); the pipelining depths are its o
 import argparse
 import inspect
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import triton
@@ -79,10 +82,26 @@ def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages, head_si
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def registers(compiled):
+    """ptxas's register and spill report for the compiled variant (Triton bundles ptxas), e.g.
+    "117 registers, 0 bytes spill stores": spills cost local-memory traffic in a hot loop."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    used = re.search(r"Used (\d+) registers", report).group(1)
+    spilled = re.search(r"(\d+) bytes spill stores", report).group(1)
+    return f"{used} registers, {spilled} B spilled"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-sizes", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
+    parser.add_argument("--registers", action="store_true", help="also ptxas's registers and spills per variant")
     args = parser.parse_args()
     failures = 0
     for dtype in args.dtypes:
@@ -108,7 +127,8 @@ def main():
                         shared = compiled.metadata.shared
                         fits = shared <= SHARED_MEMORY
                         failures += not fits
-                        print(f"{label}: {shared:6d} B shared{'' if fits else ' > ' + str(SHARED_MEMORY)}"
+                        extra = f", {registers(compiled)}" if args.registers else ""
+                        print(f"{label}: {shared:6d} B shared{'' if fits else ' > ' + str(SHARED_MEMORY)}{extra}"
                               f" ({time.time() - start:.0f} s)", flush=True)
     print(f"{failures} variant(s) failed")
     sys.exit(1 if failures else 0)

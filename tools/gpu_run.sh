@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU jobs of this repository, for the GPU machine (the `device` tool), one name per job:
+#
+#   bash tools/gpu_run.sh tests forward backward       # in the order given
+#
+# Each job runs under its own time limit and writes its output to $OUT/<job>.log (or ./gpu-logs
+# without $OUT), so that a job cut short still leaves what it printed; a summary line per job
+# follows at the end. FLA 0.6.0 is installed from .whl/ when present (carry it: see
+# DEVELOPMENT.md), into /tmp/site, never into the machine's environment.
+#
+# Jobs (limit in seconds):
+#   tests        pytest -m gpu: the GPU tests (600)
+#   suite        the whole test suite, compiled kernels (600)
+#   convert      the conversion test against FLA's GPU kernels (300)
+#   forward      benchmarks/bench_forward.py (240)
+#   backward     benchmarks/bench_forward.py --backward (300)
+#   kernels      benchmarks/kernel_times.py, forward and backward (300)
+#   decode       benchmarks/bench_decode.py (180)
+#   generate     benchmarks/bench_generate.py (600)
+#   training     benchmarks/bench_training.py (600)
+#   prefill      benchmarks/bench_prefill.py, its CSV and SVG into the log folder (600)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+logs=${OUT:-gpu-logs}
+mkdir -p "$logs"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+
+job() {  # job NAME LIMIT COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$logs/$name.log" 2>&1
+  local status=$?
+  local verdict="exit $status"
+  [ $status -eq 124 ] && verdict="TIMED OUT after ${limit}s"
+  summary+=("$(printf '%-9s %-22s %4ds  %s' "$name" "$verdict" $((SECONDS - start)) "$(tail -n 1 "$logs/$name.log")")")
+}
+
+for name in "$@"; do  # every name checked before any job runs
+  case $name in
+    tests|suite|convert|forward|backward|kernels|decode|generate|training|prefill) ;;
+    *) echo "unknown job $name" >&2; exit 2 ;;
+  esac
+done
+summary=()
+for name in "$@"; do
+  case $name in
+    tests) job tests 600 python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu ;;
+    suite) job suite 600 python3 -m pytest -q -n 6 -p no:cacheprovider ;;
+    convert) job convert 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_convert.py -k gpu_bf16 ;;
+    forward) job forward 240 python3 benchmarks/bench_forward.py ;;
+    backward) job backward 300 python3 benchmarks/bench_forward.py --backward ;;
+    kernels) job kernels 300 bash -c "python3 benchmarks/kernel_times.py && python3 benchmarks/kernel_times.py --backward --shapes 8x2048" ;;
+    decode) job decode 180 python3 benchmarks/bench_decode.py ;;
+    generate) job generate 600 python3 benchmarks/bench_generate.py ;;
+    training) job training 600 python3 benchmarks/bench_training.py ;;
+    prefill) job prefill 600 python3 benchmarks/bench_prefill.py --out "$logs" ;;
+  esac
+done
+printf '%s\n' "${summary[@]}"

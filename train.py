@@ -1,0 +1,610 @@
+"""Pretrain a ResLin model on a local text corpus: by default the Python standard library's source.
+
+    python train.py --out-dir out/rdn --attn-type rdn --max-steps 3000            # train
+    python train.py --out-dir out/rdn --attn-type rdn --max-steps 3000 --resume   # continue it after a stop
+    python train.py --out-dir out/rdn --time-budget 20                            # train for 20 minutes
+
+1. Data. Every file matching --pattern under --corpus is a document. Files go to the train or the
+   validation split by a hash of their path (not by the seed, nor by the order files are found in).
+   A byte-level BPE tokenizer is trained on the train split, and both splits are tokenized, each
+   file as <bos> text <eos>. All of it is cached under --data-dir, keyed by the corpus's content and
+   the data settings, so a rerun neither retrains the tokenizer nor retokenizes.
+2. Batches. A split's token stream is cut into rows of --seq-len tokens. A batch is --batch-size
+   rows (in an order drawn per epoch from --seed) laid end to end in ONE packed row, whose
+   position_ids restart at 0 at every document and every row start: the model turns them into
+   cu_seqlens, so no token sees another document or row, and no token is padding. A sequence's
+   first token gets the label -100: nothing before it in its sequence predicts it.
+3. Training: AdamW (no weight decay on biases, norms and the decay parameters), linear warm-up then
+   cosine decay to --min-lr-ratio, gradient clipping, bf16 autocast on CUDA and fp32 on a CPU.
+   The schedule follows progress = the larger of step / --max-steps and elapsed / --time-budget;
+   training ends when progress reaches 1. With --max-steps alone a run is a pure function of its
+   arguments (bit for bit on a CPU, resumed or not).
+4. Validation every --eval-interval steps on the first --eval-tokens validation tokens, and at the
+   end on all of them: loss in nats per predicted token, and bits per byte = total nats / ln 2 /
+   the UTF-8 bytes of the predicted tokens (byte-level BPE tokens are byte strings, so this is
+   exact and comparable across tokenizers).
+5. Output, in --out-dir: checkpoint.pt every --save-interval steps and at the end (written to a
+   temporary file, then renamed); at the end a folder that loads with
+   AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True) and AutoTokenizer: weights,
+   config.json with auto_map, generation_config.json, the tokenizer, the model's .py files, a model
+   card (README.md) and metrics.json (losses over steps, validation figures).
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import shutil
+import sys
+import sysconfig
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+from configuration_reslin import ATTN_PRESETS, KERNEL_BACKENDS
+
+REPO = Path(__file__).resolve().parent
+# Ids 0, 1, 2 in this order, as the repository's config.json has them (pad, bos, eos).
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+PAD_ID, BOS_ID, EOS_ID = range(3)
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, then the special tokens
+DATA_FORMAT = 1  # part of the cache key: bump it when the cached data's layout or meaning changes
+CHECKPOINT = "checkpoint.pt"
+# What a resumed run may change; every other argument must be the checkpoint's, or the resumed
+# run would not continue the same run.
+CHANGEABLE_ON_RESUME = {"resume", "max_steps", "time_budget", "eval_interval", "eval_tokens", "save_interval",
+                        "data_dir", "device"}
+
+
+def fail(message):
+    raise SystemExit(f"train.py: error: {message}")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = parser.add_argument_group("data")
+    data.add_argument("--corpus", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
+                      help="folder of text files (default: this interpreter's standard library; folders named "
+                           "site-packages are skipped, since they hold installed packages)")
+    data.add_argument("--pattern", default="*.py", help="file name pattern, searched recursively (default: *.py)")
+    data.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out (at least one)")
+    data.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size, special tokens included")
+    data.add_argument("--data-dir", type=Path, default=Path("out/data"), help="cache of tokenizers and token ids")
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--attn-type", default="rdn", choices=tuple(ATTN_PRESETS))
+    model.add_argument("--hidden-size", type=int, default=384)
+    model.add_argument("--layers", type=int, default=8)
+    model.add_argument("--heads", type=int, default=6)
+    model.add_argument("--head-dim", type=int, default=64)
+    model.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the config's)")
+    model.add_argument("--tie-word-embeddings", action="store_true")
+    model.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS)
+
+    training = parser.add_argument_group("training")
+    training.add_argument("--seq-len", type=int, default=1024, help="tokens per row")
+    training.add_argument("--batch-size", type=int, default=32, help="rows per step")
+    training.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    training.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak")
+    training.add_argument("--warmup-steps", type=int, default=100)
+    training.add_argument("--weight-decay", type=float, default=0.1)
+    training.add_argument("--beta2", type=float, default=0.95)
+    training.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
+    training.add_argument("--max-steps", type=int, default=None)
+    training.add_argument("--time-budget", type=float, default=None, help="minutes of training, evaluations included")
+    training.add_argument("--seed", type=int, default=0)
+    training.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    training.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    training.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
+                          help="auto: bf16 autocast on CUDA, fp32 elsewhere")
+
+    output = parser.add_argument_group("evaluation and output")
+    output.add_argument("--eval-interval", type=int, default=250)
+    output.add_argument("--eval-tokens", type=int, default=262144,
+                        help="validation tokens of the periodic evaluations (0: all); the final one uses all")
+    output.add_argument("--save-interval", type=int, default=1000, help="steps between checkpoints")
+    output.add_argument("--out-dir", type=Path, default=Path("out/reslin"))
+    output.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its checkpoint")
+
+    args = parser.parse_args(argv)
+    if args.seq_len < 2:
+        parser.error(f"--seq-len must be at least 2 (a token and the one it predicts), got {args.seq_len}")
+    if not MIN_VOCAB_SIZE <= args.vocab_size:
+        parser.error(f"--vocab-size must be at least {MIN_VOCAB_SIZE} (256 bytes and the special tokens), "
+                     f"got {args.vocab_size}")
+    if not 0 < args.val_fraction < 1:
+        parser.error(f"--val-fraction must lie strictly between 0 and 1, got {args.val_fraction}")
+    if args.max_steps is None and args.time_budget is None:
+        parser.error("say how long to train: --max-steps, --time-budget (minutes) or both")
+    for name in ("batch_size", "max_steps", "eval_interval", "save_interval"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("warmup_steps", "eval_tokens", "weight_decay", "grad_clip"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.time_budget is not None and not args.time_budget > 0:
+        parser.error(f"--time-budget must be > 0 minutes, got {args.time_budget}")
+    if not args.lr > 0 or not 0 <= args.min_lr_ratio <= 1 or not 0 <= args.beta2 < 1:
+        parser.error("need --lr > 0, 0 <= --min-lr-ratio <= 1 and 0 <= --beta2 < 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here")
+    if args.out_dir.resolve() == REPO:
+        parser.error("--out-dir must not be the repository itself (its README.md is the project's); train into "
+                     "a folder of its own and copy the model files over to ship them")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: corpus, tokenizer, cached token ids
+
+
+def corpus_documents(corpus, pattern):
+    """(relative path, text) of every UTF-8 file matching `pattern` under `corpus`, sorted by path;
+    and the relative paths of the files skipped for not being UTF-8."""
+    if not corpus.is_dir():
+        fail(f"--corpus {corpus} is not a folder")
+    paths = sorted(path for path in corpus.rglob(pattern)
+                   if path.is_file() and "site-packages" not in path.relative_to(corpus).parts)
+    documents, skipped = [], []
+    for path in paths:
+        relative = path.relative_to(corpus).as_posix()
+        try:
+            documents.append((relative, path.read_bytes().decode("utf-8")))
+        except UnicodeDecodeError:
+            skipped.append(relative)
+    if len(documents) < 2:
+        fail(f"--corpus {corpus} has {len(documents)} UTF-8 file(s) matching {pattern!r}: the train and "
+             f"validation splits need at least one each")
+    return documents, skipped
+
+
+def split_documents(documents, val_fraction):
+    """(train, validation): the validation files are those whose path hashes lowest, so the split
+    depends on the paths only. At least one file goes to each side."""
+    ranked = sorted(documents, key=lambda doc: hashlib.sha256(doc[0].encode()).hexdigest())
+    num_val = min(max(1, round(val_fraction * len(documents))), len(documents) - 1)
+    return sorted(ranked[num_val:]), sorted(ranked[:num_val])
+
+
+def train_tokenizer(texts, vocab_size):
+    """A byte-level BPE tokenizer (GPT-2's pre-tokenizer, no prefix space, so decoding gives the
+    text back exactly) that puts <bos> before an encoded text, as the documents were seen."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS_ID)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>")
+
+
+def encode_documents(tokenizer, texts):
+    """One stream of token ids: <bos> text <eos> per document."""
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    # A literal "<eos>" inside a file is text, not the end of the document.
+    backend.encode_special_tokens = True
+    encodings = backend.encode_batch(texts, add_special_tokens=False)
+    return np.concatenate([np.array([BOS_ID, *encoding.ids, EOS_ID], dtype=np.uint32) for encoding in encodings])
+
+
+def token_byte_lengths(tokenizer):
+    """UTF-8 bytes of each token id: byte-level BPE spells a token with one character per byte;
+    the special tokens stand for no text."""
+    lengths = np.zeros(len(tokenizer), dtype=np.int64)
+    for token, token_id in tokenizer.get_vocab().items():
+        lengths[token_id] = 0 if token in SPECIAL_TOKENS else len(token)
+    return lengths
+
+
+def prepare_data(args):
+    """The tokenizer, the token streams of both splits and a description of the corpus, from the
+    cache under --data-dir when the corpus and the data settings are unchanged."""
+    documents, skipped = corpus_documents(args.corpus, args.pattern)
+    key = hashlib.sha256(json.dumps([DATA_FORMAT, args.pattern, args.val_fraction, args.vocab_size]).encode())
+    for relative, text in documents:
+        key.update(relative.encode() + b"\0" + text.encode() + b"\0")
+    folder = args.data_dir / f"{args.corpus.name}-v{args.vocab_size}-{key.hexdigest()[:16]}"
+    if not (folder / "meta.json").exists():
+        build_data_cache(folder, documents, skipped, args)
+    else:
+        print(f"data: cached in {folder}")
+    meta = json.loads((folder / "meta.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    streams = {split: np.fromfile(folder / f"{split}.bin", dtype=np.uint32) for split in ("train", "validation")}
+    return tokenizer, streams, meta
+
+
+def build_data_cache(folder, documents, skipped, args):
+    start = time.perf_counter()
+    train, validation = split_documents(documents, args.val_fraction)
+    print(f"data: training a {args.vocab_size}-token BPE tokenizer on {len(train)} files, tokenizing "
+          f"{len(documents)} files ...")
+    tokenizer = train_tokenizer([text for _, text in train], args.vocab_size)
+    # Built in a temporary folder and renamed into place: a run stopped half-way leaves no cache
+    # that looks complete, and of two runs building the same cache at once, the first one wins.
+    building = folder.with_name(f"{folder.name}.building-{os.getpid()}")
+    shutil.rmtree(building, ignore_errors=True)
+    tokenizer.save_pretrained(building / "tokenizer")
+    is_stdlib = args.corpus.resolve() == Path(sysconfig.get_paths()["stdlib"]).resolve()
+    corpus_name = f"the Python {platform.python_version()} standard library" if is_stdlib else args.corpus.name
+    meta = {"corpus": str(args.corpus.resolve()), "corpus_name": corpus_name, "pattern": args.pattern,
+            "val_fraction": args.val_fraction, "vocab_size": len(tokenizer), "skipped_not_utf8": skipped, "splits": {}}
+    for split, docs in (("train", train), ("validation", validation)):
+        stream = encode_documents(tokenizer, [text for _, text in docs])
+        stream.tofile(building / f"{split}.bin")
+        meta["splits"][split] = {"files": len(docs), "bytes": sum(len(text.encode()) for _, text in docs),
+                                 "tokens": len(stream) - 2 * len(docs)}  # without <bos> and <eos>
+    meta["validation_files"] = [relative for relative, _ in validation]
+    (building / "meta.json").write_text(json.dumps(meta, indent=1))
+    try:
+        building.rename(folder)
+    except OSError:  # another run finished the same cache first
+        shutil.rmtree(building)
+    print(f"data: built {folder} in {time.perf_counter() - start:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+def packed_batch(rows, device):
+    """Rows of token ids laid end to end in one packed row: input_ids, position_ids (restarting at
+    0 at each row start and each <bos>, which starts every document) and labels (-100 at every
+    sequence start, the one token nothing predicts), each [1, total length]."""
+    input_ids = torch.from_numpy(np.concatenate(rows).astype(np.int64))
+    index = torch.arange(len(input_ids))
+    starts = input_ids == BOS_ID
+    starts[torch.tensor([0] + [len(row) for row in rows[:-1]]).cumsum(0)] = True
+    position_ids = index - torch.where(starts, index, 0).cummax(0).values
+    labels = input_ids.masked_fill(position_ids == 0, -100)
+    return {name: tensor[None].to(device) for name, tensor in
+            (("input_ids", input_ids), ("position_ids", position_ids), ("labels", labels))}
+
+
+class TrainBatches:
+    """Batch `step` of a run: rows taken in an order drawn afresh each epoch from the seed. A pure
+    function of the step, so a checkpoint's step is also its position in the data."""
+
+    def __init__(self, stream, seq_len, batch_size, seed, device):
+        num_rows = len(stream) // seq_len
+        if num_rows == 0:
+            fail(f"the train split has {len(stream)} tokens, fewer than --seq-len {seq_len}")
+        self.rows = stream[:num_rows * seq_len].reshape(num_rows, seq_len)
+        self.batch_size, self.seed, self.device = batch_size, seed, device
+        self.epoch = self.permutation = None
+
+    def order(self, epoch):
+        if epoch != self.epoch:
+            self.epoch, self.permutation = epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+        return self.permutation
+
+    def __call__(self, step):
+        positions = range(step * self.batch_size, (step + 1) * self.batch_size)
+        rows = [self.rows[self.order(epoch)[i]] for epoch, i in (divmod(p, len(self.rows)) for p in positions)]
+        return packed_batch(rows, self.device)
+
+
+def validation_batches(stream, seq_len, batch_size, max_tokens, device):
+    """The validation stream in order, cut into rows of seq_len (the last one shorter), batch_size
+    rows a batch; only the first rows holding max_tokens tokens when max_tokens > 0."""
+    end = min(len(stream), max_tokens) if max_tokens else len(stream)
+    rows = [stream[i:i + seq_len] for i in range(0, end, seq_len)]
+    return [packed_batch(rows[i:i + batch_size], device) for i in range(0, len(rows), batch_size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, optimizer, schedule
+
+
+def build_model(args, vocab_size):
+    """A fresh model from the flags, through the remote-code loader as a Hub user gets it."""
+    config_class = get_class_from_dynamic_module("configuration_reslin.ResLinConfig", str(REPO))
+    try:
+        config = config_class(
+            name_or_path=str(REPO), vocab_size=vocab_size, attn_type=args.attn_type, hidden_size=args.hidden_size,
+            num_hidden_layers=args.layers, num_heads=args.heads, head_dim=args.head_dim,
+            intermediate_size=args.intermediate_size, tie_word_embeddings=args.tie_word_embeddings,
+            kernel_backend=args.kernel_backend, max_position_embeddings=args.seq_len,
+            pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    except ValueError as error:
+        fail(f"the model flags make no valid ResLinConfig: {error}")
+    torch.manual_seed(args.seed)
+    return AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+
+
+def build_optimizer(model, args, device):
+    """AdamW; weight decay only on matrices (and convolution taps) not marked _no_weight_decay."""
+    decay, no_decay = [], []
+    for parameter in model.parameters():
+        if parameter.dim() >= 2 and not getattr(parameter, "_no_weight_decay", False):
+            decay.append(parameter)
+        else:
+            no_decay.append(parameter)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.beta2), fused=device.type == "cuda")
+
+
+def learning_rate(args, step, progress):
+    """Linear warm-up over the first steps, times a cosine from the peak to min_lr_ratio * peak
+    over the run's progress (a fraction of --max-steps or of --time-budget)."""
+    warmup = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return args.lr * warmup * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
+
+
+def run_progress(args, step, seconds):
+    fractions = [step / args.max_steps] if args.max_steps else []
+    if args.time_budget:
+        fractions.append(seconds / (60 * args.time_budget))
+    return max(fractions)
+
+
+@torch.no_grad()
+def evaluate(model, batches, token_bytes, autocast):
+    """Validation loss (nats per predicted token) and bits per byte over `batches`."""
+    model.eval()
+    nats, tokens, num_bytes = 0.0, 0, 0
+    for batch in batches:
+        with autocast:
+            loss = model(**batch, use_cache=False).loss
+        targets = batch["labels"][batch["labels"] != -100].cpu().numpy()
+        nats += loss.item() * len(targets)
+        tokens += len(targets)
+        num_bytes += int(token_bytes[targets].sum())
+    model.train()
+    return {"loss": nats / tokens, "bits_per_byte": nats / math.log(2) / num_bytes, "tokens": tokens,
+            "bytes": num_bytes}
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints and output
+
+
+def save_checkpoint(path, model, optimizer, state):
+    """The whole training state; written to a temporary file and renamed, so a stop while
+    writing leaves the previous checkpoint whole."""
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng, **state}, temporary)
+    os.replace(temporary, path)
+
+
+def load_checkpoint(path, args):
+    if not path.is_file():
+        fail(f"--resume: {path.parent} holds no checkpoint ({CHECKPOINT}): nothing to resume")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        fail(f"--resume: {path} is not a readable checkpoint ({type(error).__name__}: {error})")
+    if not isinstance(checkpoint, dict) or not {"model", "optimizer", "rng", "step", "args"} <= checkpoint.keys():
+        fail(f"--resume: {path} is not a train.py checkpoint")
+    saved = checkpoint["args"]
+    changed = [f"--{name.replace('_', '-')} {value} (checkpoint: {saved.get(name)})"
+               for name, value in saved_args(args).items()
+               if name not in CHANGEABLE_ON_RESUME and value != saved.get(name)]
+    if changed:
+        fail("--resume continues a run with its own settings; these differ from the checkpoint's: "
+             + ", ".join(changed))
+    return checkpoint
+
+
+def saved_args(args):
+    return {name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()}
+
+
+def write_json(path, data):
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(data, indent=1))
+    os.replace(temporary, path)
+
+
+def device_description(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, torch threads: {torch.get_num_threads()})"
+
+
+def model_card(args, model, metrics):
+    meta, final = metrics["data"], metrics["final_validation"]
+    train, validation = meta["splits"]["train"], meta["splits"]["validation"]
+    config = model.config
+    commands = "\n".join(metrics["commands"])
+    return f"""---
+library_name: transformers
+pipeline_tag: text-generation
+license: apache-2.0
+tags:
+  - custom_code
+  - linear-attention
+---
+
+# ResLin {config.attn_type} ({metrics['parameters']:,} parameters) pretrained on {meta['corpus_name']}
+
+A {config.num_hidden_layers}-layer ResLin causal LM (`attn_type="{config.attn_type}"`, hidden size
+{config.hidden_size}, {config.num_heads} heads of {config.head_dim}) trained from scratch by `train.py`.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # it reads config.json too
+```
+
+## Training data
+
+Source: {meta['corpus_name']} (`{meta['corpus']}`): every `{meta['pattern']}` file, folders named
+site-packages skipped, each file one document; {len(meta['skipped_not_utf8'])} files that are not UTF-8 were
+left out. Split by file: the files whose path hashes lowest (a share of {meta['val_fraction']}, at least
+one) are held out for validation; `metrics.json` lists them.
+
+| split | files | bytes | tokens |
+|---|---|---|---|
+| train | {train['files']} | {train['bytes']:,} | {train['tokens']:,} |
+| validation | {validation['files']} | {validation['bytes']:,} | {validation['tokens']:,} |
+
+Tokenizer: byte-level BPE with {meta['vocab_size']} tokens trained on the train split
+({train['bytes'] / train['tokens']:.2f} bytes per token there); `<pad>`, `<bos>`, `<eos>` are ids 0, 1, 2.
+A document is `<bos>` text `<eos>`; the tokenizer puts `<bos>` before what it encodes.
+
+## Training
+
+- {metrics['step']} steps of {args.batch_size} x {args.seq_len} tokens, packed (sequences never cross a
+  document), {metrics['tokens_seen']:,} tokens seen (about {metrics['tokens_seen'] / train['tokens']:.2f} epochs)
+- AdamW, peak learning rate {args.lr}, {args.warmup_steps} warm-up steps, cosine decay to
+  {args.min_lr_ratio} x peak, weight decay {args.weight_decay}, gradient clipping {args.grad_clip},
+  {metrics['precision']}, seed {args.seed}
+- training time {metrics['train_seconds'] / 60:.1f} min (evaluations included) on {metrics['device']};
+  {metrics['tokens_per_second']:,.0f} tokens/s in training steps (of the last session, if resumed)
+
+## Results
+
+On all {final['tokens']:,} predicted validation tokens ({final['bytes']:,} bytes):
+validation loss **{final['loss']:.4f}** nats per token, **{final['bits_per_byte']:.4f}** bits per byte.
+Loss and validation curves are in `metrics.json`.
+
+## Reproduce
+
+```bash
+{commands}
+```
+"""
+
+
+def save_model_folder(out_dir, model, tokenizer, args, metrics):
+    """A folder that loads through the Auto classes: save_pretrained writes the weights, the
+    config with auto_map, the generation config and the model's .py files."""
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "README.md").write_text(model_card(args, model, metrics))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    checkpoint_path = args.out_dir / CHECKPOINT
+    checkpoint = load_checkpoint(checkpoint_path, args) if args.resume else None
+    if checkpoint is None and checkpoint_path.exists():
+        fail(f"{args.out_dir} already holds a run ({CHECKPOINT}): pass --resume to continue it, or choose "
+             f"another --out-dir")
+    device = torch.device(args.device)
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+    tokenizer, streams, meta = prepare_data(args)
+    for split, figures in meta["splits"].items():
+        print(f"data: {split}: {figures['files']} files, {figures['bytes']:,} bytes, {figures['tokens']:,} tokens "
+              f"({figures['bytes'] / figures['tokens']:.2f} bytes per token)")
+    token_bytes = token_byte_lengths(tokenizer)
+    train_batches = TrainBatches(streams["train"], args.seq_len, args.batch_size, args.seed, device)
+    validation_subset = validation_batches(streams["validation"], args.seq_len, args.batch_size, args.eval_tokens,
+                                           device)
+
+    model = build_model(args, len(tokenizer)).to(device)
+    if args.gradient_checkpointing:
+        # transformers 5.24 deprecates gradient_checkpointing_enable for activation_checkpointing_enable:
+        # take whichever this version has.
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model.train()
+    optimizer = build_optimizer(model, args, device)
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"model: {args.attn_type}, {parameters:,} parameters ({parameters / 1e6:.1f}M), "
+          f"{args.batch_size * args.seq_len:,} tokens per step, {'bf16 autocast' if bf16 else 'fp32'} on {device}")
+
+    command = shlex.join(["python", "train.py", *argv])
+    if checkpoint is None:
+        step, seconds = 0, 0.0
+        metrics = {"args": saved_args(args), "parameters": parameters, "data": meta, "commands": [command],
+                   "train": [], "validation": []}
+    else:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        random.setstate(checkpoint["rng"]["python"])
+        torch.set_rng_state(checkpoint["rng"]["torch"])
+        if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+        step, seconds, metrics = checkpoint["step"], checkpoint["train_seconds"], checkpoint["metrics"]
+        metrics["commands"].append(command)
+        print(f"resumed from {checkpoint_path} at step {step}")
+    metrics.update(device=device_description(device), precision="bf16 autocast" if bf16 else "fp32")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def validate(batches, label):
+        result = {"step": step, "tokens_seen": step * args.batch_size * args.seq_len,
+                  **evaluate(model, batches, token_bytes, autocast)}
+        tqdm.write(f"step {step}: {label} loss {result['loss']:.4f}, {result['bits_per_byte']:.4f} bits per byte")
+        return result
+
+    def checkpoint_now():
+        metrics.update(step=step, train_seconds=seconds, tokens_seen=step * args.batch_size * args.seq_len)
+        save_checkpoint(checkpoint_path, model, optimizer,
+                        {"step": step, "train_seconds": seconds, "args": saved_args(args), "metrics": metrics})
+        write_json(args.out_dir / "metrics.json", metrics)
+
+    if step == 0:
+        metrics["validation"].append(validate(validation_subset, "validation"))
+    session_start, start_seconds = time.perf_counter(), seconds
+    session_tokens, session_step_seconds = 0, 0.0  # for the throughput: training steps only
+    # Into a log file rather than a terminal, a line every 30 s, not ten a second.
+    progress_bar = tqdm(total=args.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+                        mininterval=0.1 if sys.stderr.isatty() else 30)
+    while (progress := run_progress(args, step, seconds)) < 1:
+        step_start = time.perf_counter()
+        lr = learning_rate(args, step, progress)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = train_batches(step)
+        with autocast:
+            loss = model(**batch).loss
+        loss.backward()
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss.item()  # waits for the step, so the time below is the step's
+        step += 1
+        session_step_seconds += time.perf_counter() - step_start
+        session_tokens += batch["input_ids"].numel()
+        metrics["tokens_per_second"] = session_tokens / session_step_seconds
+        seconds = start_seconds + time.perf_counter() - session_start
+        metrics["train"].append({"step": step, "loss": loss, "lr": lr, "seconds": round(seconds, 3)})
+        progress_bar.update()
+        progress_bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{metrics['tokens_per_second']:,.0f}")
+        if not math.isfinite(loss):
+            fail(f"the training loss is {loss} at step {step}: lower --lr or raise --warmup-steps")
+        finished = run_progress(args, step, seconds) >= 1
+        if step % args.eval_interval == 0 and not finished:
+            metrics["validation"].append(validate(validation_subset, "validation"))
+        if step % args.save_interval == 0 and not finished:
+            checkpoint_now()
+        seconds = start_seconds + time.perf_counter() - session_start  # evaluations count against the budget
+    progress_bar.close()
+
+    final = validate(validation_batches(streams["validation"], args.seq_len, args.batch_size, 0, device),
+                     "final validation (all tokens)")
+    metrics["final_validation"] = final
+    checkpoint_now()
+    save_model_folder(args.out_dir, model, tokenizer, args, metrics)
+    print(f"saved {args.out_dir}: {step} steps, {metrics['tokens_seen']:,} tokens in {seconds / 60:.1f} min, "
+          f"validation loss {final['loss']:.4f}, {final['bits_per_byte']:.4f} bits per byte")
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
