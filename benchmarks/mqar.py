@@ -161,6 +161,7 @@ def autocast(device):
 
 
 def lr_at(step, steps, peak_lr):
+    """Linear warmup over WARMUP_FRACTION of the steps, then cosine decay to 0."""
     warmup = max(1, round(WARMUP_FRACTION * steps))
     if step < warmup:
         return peak_lr * (step + 1) / warmup
