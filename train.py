@@ -338,12 +338,12 @@ def build_optimizer(model, args, device):
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.beta2), fused=device.type == "cuda")
 
 
-def learning_rate(args, step, progress):
-    """Linear warm-up over the first steps, times a cosine from the peak to min_lr_ratio * peak
-    over the run's progress (a fraction of --max-steps or of --time-budget)."""
-    warmup = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
+def learning_rate(peak, step, progress, warmup_steps, min_lr_ratio):
+    """Linear warm-up over the first warmup_steps, times a cosine from the peak to
+    min_lr_ratio * peak over the run's progress (a fraction of --max-steps or of --time-budget)."""
+    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
     cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return args.lr * warmup * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
+    return peak * warmup * (min_lr_ratio + (1 - min_lr_ratio) * cosine)
 
 
 def run_progress(args, step, seconds):
@@ -566,7 +566,7 @@ def main(argv=None):
                         mininterval=0.1 if sys.stderr.isatty() else 30)
     while (progress := run_progress(args, step, seconds)) < 1:
         step_start = time.perf_counter()
-        lr = learning_rate(args, step, progress)
+        lr = learning_rate(args.lr, step, progress, args.warmup_steps, args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = train_batches(step)

@@ -71,6 +71,8 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from train import learning_rate  # noqa: E402  (train.py's schedule: one for both training scripts)
 
 LENGTH_FACTORS = (1, 2, 4, 8)
 POWER_A = 0.01  # Zoology's query-gap power law
@@ -160,14 +162,6 @@ def autocast(device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def lr_at(step, steps, peak_lr):
-    """Linear warmup over WARMUP_FRACTION of the steps, then cosine decay to 0."""
-    warmup = max(1, round(WARMUP_FRACTION * steps))
-    if step < warmup:
-        return peak_lr * (step + 1) / warmup
-    return peak_lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-
 def shuffled_batches(num_examples, steps, batch_size, generator):
     """[steps, batch_size] example indices: epochs over the fixed training set, each in a fresh
     order, as the paper's shuffled loader."""
@@ -193,7 +187,7 @@ def train(model, train_set, batches, peak_lr, log_every):
     first_log = None
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps, peak_lr)
+            group["lr"] = learning_rate(peak_lr, step, step / steps, round(WARMUP_FRACTION * steps), 0.0)
         batch = batches[step]
         with autocast(device):
             logits = answer_logits(model, inputs[batch], query_positions[batch])
