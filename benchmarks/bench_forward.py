@@ -75,6 +75,26 @@ def forward_backward(call, inputs, weight):
     return run
 
 
+def rule_calls(fla, rule, B, T, H, D, backend, backward):
+    """Zero-argument calls of one rule and shape, forward or with `backward` a training call (see
+    the module's docstring): (ours, (FLA's baseline name, its call) or None without FLA)."""
+    x = rule_inputs(rule, B, T, H, D)
+    S0 = R0 = weight = None
+    ours = lambda: reslin_attention(**x, backend=backend)  # noqa: E731
+    if backward:
+        x = {name: t.requires_grad_() if torch.is_tensor(t) else t for name, t in x.items()}
+        state = lambda: torch.zeros(B, H, D, D, device=x["v"].device, requires_grad=True)  # noqa: E731
+        S0, R0 = state(), (state() if x["gamma"] is not None else None)
+        weight = torch.randn_like(x["v"])
+        ours = forward_backward(
+            lambda: reslin_attention(**x, initial_state=(S0, R0), backend=backend)[0],
+            [x[name] for name in ("q", "k", "v", "g", "beta", "gamma", "gamma_write")] + [S0, R0], weight)
+    if fla is None:
+        return ours, None
+    name, call, inputs = fla_baseline(fla, rule, x, S0)
+    return ours, (name, forward_backward(call, inputs, weight) if backward else call)
+
+
 def parse_shape(text):
     B, T = text.lower().split("x")
     return int(B), int(T)
@@ -111,24 +131,12 @@ def main():
     with contextlib.nullcontext() if args.backward else torch.no_grad():
         for rule in args.rules:
             for B, T in args.shapes:
-                x = rule_inputs(rule, B, T, H, D)
-                S0 = R0 = weight = None
-                if args.backward:
-                    x = {name: t.requires_grad_() if torch.is_tensor(t) else t for name, t in x.items()}
-                    state = lambda: torch.zeros(B, H, D, D, device=x["v"].device, requires_grad=True)  # noqa: E731
-                    S0, R0 = state(), (state() if x["gamma"] is not None else None)
-                    weight = torch.randn_like(x["v"])
-                    ours_call = forward_backward(
-                        lambda: reslin_attention(**x, initial_state=(S0, R0), backend=args.backend)[0],
-                        [x[name] for name in ("q", "k", "v", "g", "beta", "gamma", "gamma_write")] + [S0, R0],
-                        weight)
-                else:
-                    ours_call = lambda: reslin_attention(**x, backend=args.backend)  # noqa: E731
+                ours_call, fla_call = rule_calls(fla, rule, B, T, H, D, args.backend, args.backward)
                 ours = median_ms(ours_call, args.repeats)
                 line = f"{rule:5} {f'{B}x{T}':>9} {ours:9.3f}"
-                if fla is not None:
-                    name, call, inputs = fla_baseline(fla, rule, x, S0)
-                    theirs = median_ms(forward_backward(call, inputs, weight) if args.backward else call, args.repeats)
+                if fla_call is not None:
+                    name, call = fla_call
+                    theirs = median_ms(call, args.repeats)
                     ratio = ours / theirs
                     goal = goals[rule]
                     verdict = "none" if goal is None else f"<= {goal:.1f}x {'met' if ratio <= goal else 'NOT met'}"

@@ -21,9 +21,8 @@ import contextlib
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_forward import fla_baseline, forward_backward, parse_shape
-from common import DEVICE, RULES, import_fla, lift_fla_backward_guard, median_ms, print_header, rule_inputs
-from kernels_reslin import reslin_attention
+from bench_forward import parse_shape, rule_calls
+from common import DEVICE, RULES, import_fla, lift_fla_backward_guard, median_ms, print_header
 
 
 def kernel_times(call, repeats):
@@ -77,25 +76,12 @@ def main():
     with contextlib.nullcontext() if args.backward else torch.no_grad():
         for rule in args.rules:
             for B, T in args.shapes:
-                x = rule_inputs(rule, B, T, H, D)
-                S0 = R0 = weight = None
-                ours = lambda: reslin_attention(**x, backend="triton")  # noqa: E731
-                if args.backward:
-                    x = {name: t.requires_grad_() if torch.is_tensor(t) else t for name, t in x.items()}
-                    S0 = torch.zeros(B, H, D, D, device=DEVICE, requires_grad=True)
-                    R0 = torch.zeros_like(S0, requires_grad=True) if x["gamma"] is not None else None
-                    weight = torch.randn_like(x["v"])
-                    ours = forward_backward(
-                        lambda: reslin_attention(**x, initial_state=(S0, R0), backend="triton")[0],
-                        [x[name] for name in ("q", "k", "v", "g", "beta", "gamma", "gamma_write")] + [S0, R0],
-                        weight)
+                ours, fla_call = rule_calls(fla, rule, B, T, H, D, "triton", args.backward)
                 print(f"\n{rule} {B}x{T}")
                 print_times("ours", ours, args.repeats)
-                if fla is not None:
-                    name, call, inputs = fla_baseline(fla, rule, x, S0)
-                    print_times(f"FLA {name}", forward_backward(call, inputs, weight) if args.backward else call,
-                                args.repeats)
-
+                if fla_call is not None:
+                    name, call = fla_call
+                    print_times(f"FLA {name}", call, args.repeats)
 
 if __name__ == "__main__":
     main()
