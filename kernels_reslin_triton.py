@@ -153,19 +153,24 @@ def _store_rows(ptr, rows, row_ok, head, heads, cols, width, x):
 
 
 @triton.jit
+def _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN: tl.constexpr):
+    """First token, end and first chunk of a sequence."""
+    if VARLEN:
+        bos, eos = tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1)
+        first_chunk = tl.load(chunk_offsets_ptr + seq)
+    else:
+        bos = seq.to(tl.int64) * T
+        eos = bos + T
+        first_chunk = (seq * NT).to(tl.int64)
+    return bos, eos, first_chunk
+
+
+@triton.jit
 def _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT,
                   BC: tl.constexpr, VARLEN: tl.constexpr):
     """A chunk's first token and the end of its sequence (int64 token indices)."""
-    if VARLEN:
-        seq = tl.load(chunk_seq_ptr + chunk)
-        bos = tl.load(cu_seqlens_ptr + seq)
-        eos = tl.load(cu_seqlens_ptr + seq + 1)
-        first_chunk = tl.load(chunk_offsets_ptr + seq)
-    else:  # B rows of T tokens, NT chunks each
-        seq = chunk // NT
-        bos = seq.to(tl.int64) * T
-        eos = bos + T
-        first_chunk = seq * NT
+    seq = tl.load(chunk_seq_ptr + chunk) if VARLEN else chunk // NT  # else B rows of T tokens, NT chunks each
+    bos, eos, first_chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
     return bos + (chunk - first_chunk).to(tl.int64) * BC, eos
 
 
@@ -332,13 +337,7 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr
     (every step is column-separable: the value tile never needs the others), and advances R."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
-    if VARLEN:
-        bos, eos = tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1)
-        chunk = tl.load(chunk_offsets_ptr + seq)
-    else:
-        bos = seq.to(tl.int64) * T
-        eos = bos + T
-        chunk = (seq * NT).to(tl.int64)
+    bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
     state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
     tile = kcols[:, None] * DV + vcols[None, :]
@@ -551,19 +550,6 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
 # cumulative decay G is gathered as dG and turned into dg by a reverse cumulative sum within the
 # chunk (G_last is G at the chunk's last row, padding included; G_prev_t = G_t - g_t).
 # ---------------------------------------------------------------------------------------------
-
-@triton.jit
-def _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN: tl.constexpr):
-    """First token, end and first chunk of a sequence."""
-    if VARLEN:
-        bos, eos = tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1)
-        first_chunk = tl.load(chunk_offsets_ptr + seq)
-    else:
-        bos = seq.to(tl.int64) * T
-        eos = bos + T
-        first_chunk = (seq * NT).to(tl.int64)
-    return bos, eos, first_chunk
-
 
 @triton.jit
 def _pred(k, h, U, G, g, DT: tl.constexpr, BC: tl.constexpr):
