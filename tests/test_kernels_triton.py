@@ -67,16 +67,22 @@ def test_triton_backend_leaves_the_initial_state_alone(name, update, residual, k
 CHUNK_CASES = [(2, 70, 2, 4, 16, 32, None), (1, 150, 1, 2, 48, 16, [1, 69, 5, 75])]
 
 
+def case_inputs(case, residual, kaczmarz):
+    """(inputs, cu_seqlens or None) of a (B, T, H, HV, Dk, Dv, sequence lengths or None) case;
+    packed sequences get one initial state each."""
+    B, T, H, HV, Dk, Dv, lengths = case
+    x = on_device(make_inputs(B, T, H, HV, Dk, Dv, residual, kaczmarz=kaczmarz))
+    if lengths is None:
+        return x, None
+    for n in ("S0", "R0"):
+        x[n] = None if x[n] is None else torch.randn(len(lengths), *x[n].shape[1:], device=DEVICE) * 0.3
+    return x, torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+
+
 @pytest.mark.parametrize("case", CHUNK_CASES, ids=["batch", "varlen"])
 @pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
 def test_chunked_forward_matches_reference(name, update, residual, kaczmarz, case):
-    B, T, H, HV, Dk, Dv, lengths = case
-    x = on_device(make_inputs(B, T, H, HV, Dk, Dv, residual, kaczmarz=kaczmarz))
-    cu_seqlens = None
-    if lengths is not None:
-        cu_seqlens = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
-        for n in ("S0", "R0"):  # one initial state a sequence
-            x[n] = None if x[n] is None else torch.randn(len(lengths), *x[n].shape[1:], device=DEVICE) * 0.3
+    x, cu_seqlens = case_inputs(case, residual, kaczmarz)
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "gamma")]
     results = {}
     for backend in ("recurrent", "triton"):
@@ -133,13 +139,7 @@ def test_chunked_backward_matches_reference(name, update, residual, kaczmarz, ca
     """Gradients of every input and initial state through the Triton backward against autograd
     through the per-token reference, for a random weighting of the output and of the final
     states, with a clip (0.5) that clips part of the residuals: relative error <= 1e-5 in fp32."""
-    B, T, H, HV, Dk, Dv, lengths = case
-    x = on_device(make_inputs(B, T, H, HV, Dk, Dv, residual, kaczmarz=kaczmarz))
-    cu_seqlens = None
-    if lengths is not None:
-        cu_seqlens = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
-        for n in ("S0", "R0"):  # one initial state a sequence
-            x[n] = None if x[n] is None else torch.randn(len(lengths), *x[n].shape[1:], device=DEVICE) * 0.3
+    x, cu_seqlens = case_inputs(case, residual, kaczmarz)
     names = [n for n in ("q", "k", "v", "g", "beta", "gamma", "gamma_write", "S0", "R0") if x[n] is not None]
     results = {}
     for backend in ("recurrent", "triton"):
