@@ -4,11 +4,10 @@ new tokens as they come.
     python generate.py "def fibonacci(n):" [--max-new-tokens 64] [--device cpu|cuda] [--sample]
     python generate.py "def fibonacci(n):" --model out/rdn   # a folder that train.py wrote
 
-The model loads through AutoModelForCausalLM with trust_remote_code=True, exactly as a Hub user
-loads it, on the GPU when there is one. Until trained weights ship (model.safetensors), the
-model is built from config.json with RANDOM weights and says so: its output is noise, the point
-is that the machinery runs. Until a tokenizer ships, text is encoded as UTF-8 bytes, byte b as
-token id b + 3 (after the pad, bos and eos ids 0-2).
+The model and its tokenizer load through AutoModelForCausalLM and AutoTokenizer with
+trust_remote_code=True, exactly as a Hub user loads them, on the GPU when there is one. The
+repository's own model is an 18.6M-parameter RDN trained by train.py on Python source (README.md,
+"The shipped model").
 """
 
 import argparse
@@ -17,36 +16,16 @@ import sys
 import time
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 REPO = os.path.dirname(os.path.abspath(__file__))
-BYTE_OFFSET = 3
-
-
-class ByteCodec:
-    """Stands in for a tokenizer until one ships with trained weights."""
-
-    def encode(self, text):
-        return [b + BYTE_OFFSET for b in text.encode("utf-8")]
-
-    def decode(self, ids, **kwargs):
-        """Special ids are always skipped; kwargs are TextStreamer's decode arguments."""
-        data = bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < BYTE_OFFSET + 256)
-        return data.decode("utf-8", errors="replace")
 
 
 def load(folder, device, dtype):
-    if os.path.exists(os.path.join(folder, "model.safetensors")):
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=dtype)
-    else:
-        print("NOTE: no trained weights ship yet (no model.safetensors): the model is built from "
-              "config.json with RANDOM weights, so the text below is noise.", file=sys.stderr)
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, dtype=dtype)
-    has_tokenizer = os.path.exists(os.path.join(folder, "tokenizer.json"))
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=dtype)
     # trust_remote_code: AutoTokenizer reads config.json, whose classes are remote code.
-    codec = AutoTokenizer.from_pretrained(folder, trust_remote_code=True) if has_tokenizer else ByteCodec()
-    return model.to(device).eval(), codec
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    return model.to(device).eval(), tokenizer
 
 
 def main():
@@ -61,14 +40,14 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    model, codec = load(args.model, args.device, getattr(torch, args.dtype))
+    model, tokenizer = load(args.model, args.device, getattr(torch, args.dtype))
     config = model.config
     print(f"ResLin {config.attn_type}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, on {args.device}",
           file=sys.stderr)
-    input_ids = torch.tensor([codec.encode(args.prompt)], device=args.device)
+    input_ids = torch.tensor([tokenizer(args.prompt).input_ids], device=args.device)
     print(args.prompt, end="", flush=True)
-    streamer = TextStreamer(codec, skip_prompt=True, skip_special_tokens=True)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
     with torch.no_grad():
         sampling = dict(do_sample=True, top_p=0.9) if args.sample else dict(do_sample=False)
