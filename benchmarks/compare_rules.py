@@ -47,13 +47,15 @@ step is partly host-bound, so ~40-50 ms, ~25 s for 500 steps (less for sgla, gdn
 kernels are 2-3x cheaper in backward); per process ~1 min of CUDA start-up and Triton compiles,
 plus each rule's own kernel variants, evaluation and saving. Six rules at one seed: ~4-6 min,
 ~2.5 min a further seed. MQAR (mqar.py's docstring): ~5-6 min for the four rules at one seed,
-~4-5 min a further seed. A GPU call is at most 10 minutes and starts a bare machine, so bring
-back only the small JSON files and carry them into the next call (out/ is git-ignored):
+~4-5 min a further seed: three seeds of both, ~25 min. A GPU call is at most 10 minutes and
+starts a bare machine, so repeat one command, stopped in time, until the table is whole; bring
+back only the small JSON files, and carry them into the next call (out/ is git-ignored):
 
-    export PYTHONUNBUFFERED=1; timeout 560 python3 benchmarks/compare_rules.py --parts lm --seeds 0 1 \\
-        2>&1 | tee $OUT/compare_lm.log; tar czf $OUT/compare.tgz out/compare/comparison.json \\
-        out/compare/lm/*/metrics.json out/compare/mqar
-    # here: tar xzf <files_at>/compare.tgz; the next call carries ["out/compare"]
+    export PYTHONUNBUFFERED=1; timeout 560 python3 benchmarks/compare_rules.py --seeds 0 1 2 \\
+        2>&1 | tee $OUT/compare.log; find out/compare -name comparison.json -o -name metrics.json \\
+        -o -path '*/mqar/*.json' | tar czf $OUT/compare.tgz -T -
+    # then here: tar xzf <files_at>/compare.tgz, and the next call carries ["out/compare"];
+    # python benchmarks/compare_rules.py --table --seeds 0 1 2 prints the table at any point.
 
 Noise: initial weights and batch order come from the seed, the data split from the file paths,
 so a rerun on a CPU repeats a run bit for bit (train.py's tests check it); bf16 GPU kernels need
