@@ -363,14 +363,15 @@ def _state_tile(seq_head, kcols, vcols, DK, DV):
 @triton.jit
 def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr,
                         X_residual_ptr, W_residual_ptr, P_ptr, U_residual_ptr, h_residual_ptr, S_ptr, R_ptr,
-                        cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
-                        RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
+                        z_ptr, cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV,
+                        BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                        DELTA: tl.constexpr, RESIDUAL: tl.constexpr, STORE_Z: tl.constexpr, VARLEN: tl.constexpr):
     """Chunk after chunk of one (sequence, value head, value tile): stores the chunk-start states
     h (and h of R) and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed where
     read), then S = e^(G_last) h + (e^(G_last - G) K)^T U. With the residual state it also forms
-    pred_t = S_{t-1}^T k_t, the clipped residual r, R's writes U0 - W h_R with U0 = X diag(b) r
-    (every step is column-separable: the value tile never needs the others), and advances R."""
+    pred_t = S_{t-1}^T k_t, z = v - pred (stored for the backward when STORE_Z), the clipped
+    residual r, R's writes U0 - W h_R with U0 = X diag(b) r (every step is column-separable: the
+    value tile never needs the others), and advances R."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -400,8 +401,10 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr
         k_to_chunk_end = tl.trans(tl.exp(G_last - G)[:, None] * k)
         if RESIDUAL:
             tl.store(h_residual_ptr + h_offsets, R.to(DT), mask=tile_ok)
-            pred = _pred(k, S, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), G - g, DT)
-            residual = tl.minimum(tl.maximum(v - pred, -clip), clip)
+            z = v - _pred(k, S, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), G - g, DT)
+            if STORE_Z:
+                _store_rows(z_ptr, rows, row_ok, head, HV, vcols, DV, z)
+            residual = tl.minimum(tl.maximum(z, -clip), clip)
             U_residual = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
             if DELTA:
                 X = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
@@ -414,6 +417,14 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr
     tl.store(S_ptr + state_offsets, S, mask=tile_ok)
     if RESIDUAL:
         tl.store(R_ptr + state_offsets, R, mask=tile_ok)
+
+
+@triton.jit
+def _causal_attend(q, k, G, BC: tl.constexpr, DT: tl.constexpr):
+    """mask(Q K^T) e^(G_i - G_j), the diagonal included: how a chunk's rows read its own writes."""
+    r = tl.arange(0, BC)
+    return tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf"))) * \
+        _mm(q, tl.trans(k), DT)
 
 
 @triton.jit
@@ -442,11 +453,10 @@ def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr,
     else:
         U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
             _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-    r = tl.arange(0, BC)
-    attend = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf"))) * \
-        _mm(q, tl.trans(k), DT)
+    attend = _causal_attend(q, k, G, BC, DT)
     q_decayed = tl.exp(G)[:, None]
     if RESIDUAL:
+        r = tl.arange(0, BC)
         o = q_decayed * _mm(q, h, DT) + _mm(tl.where(r[:, None] > r[None, :], attend, 0.0), U, DT)
         gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
         U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV)
@@ -496,7 +506,8 @@ class _ChunkRun:
     (of S, and of R with the residual state). The backward builds it again (recomputing is
     cheaper than keeping h) and reads it."""
 
-    def __init__(self, q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size):
+    def __init__(self, q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
+                 store_z=False):
         B, T, H, Dk = q.shape
         HV, Dv = v.shape[2:]
         L = B * T
@@ -513,6 +524,9 @@ class _ChunkRun:
         self.h = empty(layout.num_chunks, HV, Dk, Dv)
         self.h_residual, self.U_residual = ((empty(layout.num_chunks, HV, Dk, Dv), empty(L, HV, Dv))
                                             if residual else (self.h, v))
+        # z = v - pred in fp32, for the backward (its clip decisions are the forward's own).
+        store_z = store_z and residual
+        self.z = torch.empty(L, HV, Dv, device=q.device, dtype=torch.float32) if store_z else v
         # Unused pointers point at a real tensor; the kernels never read them.
         self.X = self.X_residual = self.P = self.W = self.W_residual = U0 = self.U = v
         if not residual:
@@ -541,9 +555,9 @@ class _ChunkRun:
                 **self.shape, BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
         _chunk_state_kernel[(_cdiv(Dv, self.state_tile()), layout.num_sequences * HV)](
             k, v, g, beta, self.gamma_write, self.W, U0, self.U, self.h, self.X_residual, self.W_residual, self.P,
-            self.U_residual, self.h_residual, self.S, self.R, layout.cu_seqlens, layout.chunk_offsets, clip,
-            **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual, **common, num_warps=self.warps,
-            num_stages=self.stages)
+            self.U_residual, self.h_residual, self.S, self.R, self.z, layout.cu_seqlens, layout.chunk_offsets, clip,
+            **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual, STORE_Z=store_z, **common,
+            num_warps=self.warps, num_stages=self.stages)
 
     def state_tile(self):
         """Value columns a program of the sequential kernels owns: few sequence-heads leave SMs
@@ -572,14 +586,17 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
 
 
 # ---------------------------------------------------------------------------------------------
-# Chunked backward, every rule. With dO and the gradient dh' of a chunk's end state (the next
-# chunk's start), the forward's pieces give, chunk after chunk backwards
-# (_chunk_state_backward_kernel, one value tile a program like the forward's state kernel):
-#   dU = e^(G_last - G) K dh' + scale * P^T dO,   P = mask(Q K^T) e^(G_i - G_j),
+# Chunked backward, every rule. The forward runs again (recomputing is cheaper than keeping h),
+# storing z = v - pred for the residual rules. With dO and the gradient dh' of a chunk's end
+# state (the next chunk's start):
+#   dU = scale * A^T dO + e^(G_last - G) K dh',   A = mask(Q K^T) e^(G_i - G_j),
 #   dh = e^(G_last) dh' + scale * (e^G Q)^T dO - W^T dU   (no W term for the additive rule).
-# The residual rules run this for R with gamma dO and the inclusive mask, then through R's
-# writes U0_R = X_R diag(b_R) r and the clip (zero gradient where clipped) into
-# pred = e^(G_prev) K h + strictly_lower(e^(G_prev_i - G_j) K K^T) U, whose gradient joins S's.
+# Its first term needs no state: every chunk at once (_chunk_local_grad_kernel). The rest runs
+# chunk after chunk backwards (_chunk_state_backward_kernel, one value tile a program like the
+# forward's state kernel). The residual rules run this for R with gamma dO and the inclusive
+# mask, then through R's writes U0_R = X_R diag(b_R) r and the clip (zero gradient where z was
+# clipped) into pred = e^(G_prev) K h + P U, P = strictly_lower(e^(G_prev_i - G_j) K K^T), whose
+# gradient joins S's (A is then strictly lower: the base read is exclusive).
 # Then every chunk at once (_chunk_grad_kernel): dq, dk, dv, the gates' gradients, through
 # U = U0 - W h with W = X diag(b e^G) K, U0 = X diag(b) V and X = (I + A)^-1
 # (dA = -X^T dX X^T, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T)). Every dependence on the
@@ -588,15 +605,43 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _chunk_state_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, residual_strength_ptr,
-                                 W_ptr, U_ptr, h_ptr, X_residual_ptr, W_residual_ptr, P_ptr, do_ptr, dS_ptr, dR_ptr,
-                                 dh_next_ptr, dU_ptr, dh_next_residual_ptr, dU_residual_ptr, residual_ptr, dz_ptr,
-                                 cu_seqlens_ptr, chunk_offsets_ptr, scale, clip, T, NT, HV, GROUP, DK, DV,
-                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-                                 DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
-    """dS_ptr (dR_ptr) hold the final states' gradients on entry and the initial states' on exit.
-    Stores dh' and dU of every chunk (of both states), and for the residual rules the clipped
-    residual r and dz, the gradient of v - pred."""
+def _chunk_local_grad_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, do_ptr, dU_ptr, dU_residual_ptr, cu_seqlens_ptr,
+                             chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
+                             BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, RESIDUAL: tl.constexpr,
+                             VARLEN: tl.constexpr):
+    """Every chunk at once: the part of dU that a chunk's own outputs give, scale * P^T dO with
+    P = mask(Q K^T) e^(G_i - G_j) (strictly lower for the residual rules' exclusive base read),
+    and R's, scale * P^T diag(gamma) dO. The reverse state kernel adds what flows through the
+    states; computed here, no Q K^T is formed in its sequential loop."""
+    value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    rows = start + tl.arange(0, BC)
+    row_ok = rows < end
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
+    do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+    attend_t = tl.trans(_causal_attend(q, k, G, BC, DT))
+    if RESIDUAL:
+        gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
+        _store_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV, scale * _mm(attend_t, gamma[:, None] * do, DT))
+        r = tl.arange(0, BC)
+        attend_t = tl.where(r[:, None] < r[None, :], attend_t, 0.0)
+    _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, scale * _mm(attend_t, do, DT))
+
+
+@triton.jit
+def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, residual_strength_ptr, W_ptr, X_residual_ptr,
+                                 W_residual_ptr, P_ptr, z_ptr, do_ptr, dS_ptr, dR_ptr, dh_next_ptr, dU_ptr,
+                                 dh_next_residual_ptr, dU_residual_ptr, dz_ptr, cu_seqlens_ptr, chunk_offsets_ptr,
+                                 scale, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
+                                 BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr,
+                                 VARLEN: tl.constexpr):
+    """dS_ptr (dR_ptr) hold the final states' gradients on entry and the initial states' on exit;
+    dU_ptr (dU_residual_ptr) hold the chunks' own parts of dU on entry (`_chunk_local_grad_kernel`)
+    and the whole dU on exit. Stores dh' of every chunk (of both states), and for the residual
+    rules dz, the gradient of z = v - pred (zero where the forward clipped)."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, first_chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -618,17 +663,17 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma
         G = tl.cumsum(g, axis=0)
         G_last = tl.sum(g, axis=0)
         to_chunk_end = tl.exp(G_last - G)[:, None]
-        q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+        q_decayed_t = tl.trans(tl.exp(G)[:, None] * _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP,
+                                                                kcols, DK))
         k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        q_decayed_t = tl.trans(tl.exp(G)[:, None] * q)
-        attend = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf"))) * \
-            _mm(q, tl.trans(k), DT)
+        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) + to_chunk_end * _mm(k, dh, DT)
         if RESIDUAL:
             tl.store(dh_next_residual_ptr + h_offsets, dh_residual, mask=tile_ok)
-            do_residual = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
-            dU_residual = to_chunk_end * _mm(k, dh_residual, DT) + scale * _mm(tl.trans(attend), do_residual, DT)
+            dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV) + \
+                to_chunk_end * _mm(k, dh_residual, DT)
             _store_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV, dU_residual)
+            do_residual = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
             dh_residual = tl.exp(G_last) * dh_residual + scale * _mm(q_decayed_t, do_residual, DT)
             dr = dU_residual
             if DELTA:
@@ -636,26 +681,15 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma
                 dh_residual -= _mm(tl.trans(W), dU_residual, DT)
                 dr = _mm(tl.trans(_load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)), dU_residual, DT)
             dr = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * dr
-            # The forward's pred and clip, again: the clip passes gradient only where it did not clip.
-            v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
-            if DELTA:
-                U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
-            else:
-                U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
-            P = _load_lower(P_ptr, rows, row_ok, head, HV, BC)
-            pred = _pred(k, h, U, P, G - g, DT)
-            z = v - pred
-            _store_rows(residual_ptr, rows, row_ok, head, HV, vcols, DV, tl.minimum(tl.maximum(z, -clip), clip))
+            # The clip passes gradient only where it did not clip; pred = e^(G_prev) K h + P U
+            # then reads U and h with gradient -dz.
+            z = _load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV)
             dz = tl.where((z >= -clip) & (z <= clip), dr, 0.0)
             _store_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV, dz)
-            # The base read is exclusive; pred reads U and h too, with gradient -dz.
-            dU = to_chunk_end * _mm(k, dh, DT) + scale * _mm(tl.trans(tl.where(r[:, None] > r[None, :], attend, 0.0)),
-                                                              do, DT) - _mm(tl.trans(P), dz, DT)
+            dU -= _mm(tl.trans(_load_lower(P_ptr, rows, row_ok, head, HV, BC)), dz, DT)
             dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT) - \
                 _mm(tl.trans(tl.exp(G - g)[:, None] * k), dz, DT)
         else:
-            dU = to_chunk_end * _mm(k, dh, DT) + scale * _mm(tl.trans(attend), do, DT)
             dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT)
         _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
         if DELTA:
@@ -688,9 +722,9 @@ def _wy_backward(X, dX, dW, k, gram, decay_strict, G, strength, DT: tl.constexpr
 @triton.jit
 def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, residual_strength_ptr, X_ptr, U_ptr,
                        h_ptr, X_residual_ptr, U_residual_ptr, h_residual_ptr, do_ptr, dh_next_ptr, dU_ptr,
-                       dh_next_residual_ptr, dU_residual_ptr, residual_ptr, dz_ptr,
+                       dh_next_residual_ptr, dU_residual_ptr, z_ptr, dz_ptr,
                        dq_ptr, dk_ptr, dv_ptr, dg_ptr, dstrength_ptr, dgamma_ptr, dresidual_strength_ptr,
-                       cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV,
+                       cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, clip, T, NT, HV, GROUP, DK, DV,
                        BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                        DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk and value head: dq, dk (per value head; the caller sums a key head's group),
@@ -749,7 +783,7 @@ def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, resi
             dh_next = tl.load(dh_next_residual_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
             U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
             dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            residual = _load_rows(residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+            residual = tl.minimum(tl.maximum(_load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV), -clip), clip)
             dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
             dv += dz
             dk_pred -= _mm(dz, tl.trans(tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)), DT)
@@ -826,7 +860,8 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     L = B * T
-    run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size)
+    run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
+                    store_z=True)
     layout, residual = run.layout, run.residual
     do = do.reshape(L, HV, Dv).contiguous()
     start_grad = lambda d, like: torch.zeros_like(like) if d is None else \
@@ -836,23 +871,27 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     f32 = dict(device=q.device, dtype=torch.float32)
     dh_next = torch.empty(layout.num_chunks, HV, Dk, Dv, **f32)
     dU = torch.empty(L, HV, Dv, **f32)
-    dh_next_residual, dU_residual, residual_values, dz = (
-        (torch.empty_like(dh_next), torch.empty_like(dU), torch.empty_like(dU), torch.empty_like(dU))
-        if residual else (dh_next, dU, dU, dU))
-    gates = (run.beta, run.gamma if residual else run.g, run.gamma_write)
-    common = dict(BC=chunk_size, BK=run.BK, DT=run.DT, DELTA=run.delta, RESIDUAL=residual, VARLEN=layout.varlen)
+    dh_next_residual, dU_residual, dz = ((torch.empty_like(dh_next), torch.empty_like(dU), torch.empty_like(dU))
+                                         if residual else (dh_next, dU, dU))
+    read_gate = run.gamma if residual else run.g  # gamma; never read without the residual state
+    gates = (run.beta, read_gate, run.gamma_write)
+    common = dict(BC=chunk_size, BK=run.BK, DT=run.DT, RESIDUAL=residual, VARLEN=layout.varlen)
+    BV = min(run.BV_full, 64)
+    _chunk_local_grad_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
+        run.q, run.k, run.g, read_gate, do, dU, dU_residual, *run.tables, scale, **run.shape, BV=BV, **common,
+        num_warps=run.warps)
+    common["DELTA"] = run.delta
     _chunk_state_backward_kernel[(_cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
-        run.q, run.k, run.v, run.g, *gates, run.W, run.U, run.h, run.X_residual, run.W_residual, run.P, do, dS0, dR0,
-        dh_next, dU, dh_next_residual, dU_residual, residual_values, dz, layout.cu_seqlens, layout.chunk_offsets,
-        scale, clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps,
-        num_stages=run.backward_stages)
+        run.q, run.k, run.g, read_gate, run.gamma_write, run.W, run.X_residual, run.W_residual, run.P, run.z, do,
+        dS0, dR0, dh_next, dU, dh_next_residual, dU_residual, dz, layout.cu_seqlens, layout.chunk_offsets, scale,
+        clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps, num_stages=run.backward_stages)
     dq, dk = torch.empty(L, HV, Dk, **f32), torch.empty(L, HV, Dk, **f32)
     dv, dg, dbeta = torch.empty(L, HV, Dv, **f32), torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)
     dgamma, dgamma_write = (torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)) if residual else (dg, dg)
     _chunk_grad_kernel[(layout.num_chunks, HV)](
         run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
-        do, dh_next, dU, dh_next_residual, dU_residual, residual_values, dz, dq, dk, dv, dg, dbeta, dgamma,
-        dgamma_write, *run.tables, scale, **run.shape, BV=min(run.BV_full, 64), **common,
+        do, dh_next, dU, dh_next_residual, dU_residual, run.z, dz, dq, dk, dv, dg, dbeta, dgamma,
+        dgamma_write, *run.tables, scale, clip, **run.shape, BV=BV, **common,
         # A dozen chunk-sized accumulators: more warps, fewer spilled registers. One stage: multi-
         # buffering the value loop's dozen loads needs more shared memory than an H200 has (400 KB).
         num_warps=8, num_stages=1)
