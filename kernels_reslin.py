@@ -28,9 +28,9 @@ import torch
 
 # Relative imports for the remote-code loader; plain ones for `from kernels_reslin import ...`.
 try:
-    from .kernels_reslin_torch import chunk_reslin, recurrent_reslin
+    from .kernels_reslin_torch import chunk_reslin, recurrent_reslin, sequence_bounds
 except ImportError:
-    from kernels_reslin_torch import chunk_reslin, recurrent_reslin
+    from kernels_reslin_torch import chunk_reslin, recurrent_reslin, sequence_bounds
 try:
     try:
         from .kernels_reslin_triton import chunk_attention as triton_chunk_attention
@@ -86,7 +86,7 @@ def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_st
             raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
             raise ValueError("cu_seqlens must be a 1-D integer tensor [0, ..., T] of length N + 1")
-        bounds = cu_seqlens.tolist()
+        bounds = sequence_bounds(cu_seqlens)
         if bounds[0] != 0 or bounds[-1] != T or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
             raise ValueError(f"cu_seqlens must start at 0, end at T = {T} and never decrease, got {bounds}")
         N = len(bounds) - 1

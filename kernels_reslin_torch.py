@@ -13,6 +13,8 @@ Layouts: q, k ``[B, T, H, Dk]``, v ``[B, T, H, Dv]``, g, beta, gamma ``[B, T, H]
 states ``[B, H, Dk, Dv]`` (key-first: a read is ``S^T x``).
 """
 
+import weakref
+
 import torch
 
 # Measured on 2 CPU cores at T=2048, D=64: 32 beats 16 and 64 (the C^2 work outweighs the scan).
@@ -55,6 +57,21 @@ def _recurrent_one(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S,
     return torch.stack(outputs, dim=1), S, R
 
 
+_last_bounds = (None, None, None)  # (weak reference to a cu_seqlens, its version, its values)
+
+
+def sequence_bounds(cu_seqlens):
+    """cu_seqlens as a list of ints. Reading a GPU tensor on the host is a device sync, which
+    stops the host from queueing work ahead; every layer of a forward, and the backward, take
+    the same cu_seqlens, so the last tensor read is remembered by identity and version."""
+    global _last_bounds
+    reference, version, bounds = _last_bounds
+    if reference is None or reference() is not cu_seqlens or version != cu_seqlens._version:
+        bounds = cu_seqlens.tolist()
+        _last_bounds = (weakref.ref(cu_seqlens), cu_seqlens._version, bounds)
+    return bounds
+
+
 def recurrent_reslin(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens=None):
     """Per-token fp32 reference. S0 / R0: [N, H, Dk, Dv] fp32 (R0 only with gamma); gamma_write
     is the residual state's write strength (gamma itself unless the caller says otherwise)."""
@@ -62,7 +79,8 @@ def recurrent_reslin(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, 
     if cu_seqlens is None:
         return _recurrent_one(*f32, update, clip, scale, S0, R0)
     outputs, finals_S, finals_R = [], [], []
-    for n, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+    bounds = sequence_bounds(cu_seqlens)
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         piece = [None if x is None else x[:, start:end] for x in f32]
         o, S, R = _recurrent_one(*piece, update, clip, scale, S0[n:n + 1],
                                  None if R0 is None else R0[n:n + 1])
@@ -184,7 +202,8 @@ def _chunk_batch(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, 
 def _pack_to_batch(x, cu_seqlens, max_len):
     """Packed [1, T, ...] -> zero right-padded [N, max_len, ...] (see _to_chunks on padding)."""
     pieces = []
-    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+    bounds = sequence_bounds(cu_seqlens)
+    for start, end in zip(bounds[:-1], bounds[1:]):
         piece = x[0, start:end]
         pad = max_len - (end - start)
         pieces.append(torch.cat([piece, piece.new_zeros(pad, *piece.shape[1:])]) if pad else piece)
@@ -200,7 +219,8 @@ def chunk_reslin(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, 
             # One decode step: the chunk machinery (a triangular solve of size 1) is pure overhead.
             return _recurrent_one(*f32, update, clip, scale, S0, R0)
         return _chunk_batch(*f32, update, clip, scale, S0, R0, chunk_size)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    bounds = sequence_bounds(cu_seqlens)
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     max_len = max(lengths)
     padded = [None if x is None else _pack_to_batch(x, cu_seqlens, max_len) for x in f32]
     o, S, R = _chunk_batch(*padded, update, clip, scale, S0, R0, chunk_size)

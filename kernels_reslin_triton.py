@@ -18,6 +18,12 @@ except ImportError:  # kernels_reslin falls back to the "torch" backend without 
 
 import torch
 
+# Relative import for the remote-code loader; a plain one for `import kernels_reslin_triton`.
+try:
+    from .kernels_reslin_torch import sequence_bounds
+except ImportError:
+    from kernels_reslin_torch import sequence_bounds
+
 
 # Host-side sizes in plain Python: triton.cdiv and triton.next_power_of_2 are constexpr functions
 # in triton 3.6, whose calls cost microseconds each, on every launch.
@@ -477,7 +483,9 @@ class _ChunkLayout:
             chunks = (self.cu_seqlens.diff() + chunk_size - 1) // chunk_size
             self.chunk_offsets = torch.nn.functional.pad(torch.cumsum(chunks, 0), (1, 0))
             self.num_sequences = len(chunks)
-            self.num_chunks = int(self.chunk_offsets[-1])  # the grid needs it on the host: one sync
+            # The grid needs it on the host: from the bounds the checks already read.
+            bounds = sequence_bounds(cu_seqlens)
+            self.num_chunks = sum(_cdiv(end - start, chunk_size) for start, end in zip(bounds[:-1], bounds[1:]))
             self.chunk_seq = torch.repeat_interleave(torch.arange(self.num_sequences, device=device), chunks,
                                                      output_size=self.num_chunks)
         else:  # computed inside the kernels; the table arguments are never read

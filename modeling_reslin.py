@@ -32,6 +32,9 @@ from transformers.utils import logging
 
 from .cache_reslin import ResLinCache
 from .configuration_reslin import ResLinConfig
+# Unused here: imported so that it ships with the model, since save_pretrained copies this file's
+# `from .x import` siblings and the remote-code loader fetches them.
+from .context_parallel_reslin import context_parallel_forward  # noqa: F401
 from .kernels_reslin import reslin_attention, reslin_decode_step
 
 logger = logging.get_logger(__name__)

@@ -6,7 +6,8 @@ Save/reload comparisons are exact (torch.equal): the same fp32 weights through t
 import torch
 from transformers import AutoConfig
 
-REMOTE_FILES = {"configuration_reslin.py", "modeling_reslin.py", "cache_reslin.py", "kernels_reslin.py"}
+REMOTE_FILES = {"configuration_reslin.py", "modeling_reslin.py", "cache_reslin.py", "kernels_reslin.py",
+                "context_parallel_reslin.py"}
 
 
 def tiny_hub_folder(folder, tiny_config):

@@ -19,6 +19,8 @@
 #   generate     benchmarks/bench_generate.py (600)
 #   training     benchmarks/bench_training.py (600)
 #   prefill      benchmarks/bench_prefill.py, its CSV and SVG into the log folder (600)
+#   context      context parallelism on 2 GPUs (nvidia-h200-x2): its GPU tests, then
+#                benchmarks/bench_context_parallel.py under torchrun (600)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${OUT:-gpu-logs}
@@ -41,7 +43,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|suite|convert|forward|backward|kernels|decode|generate|training|prefill) ;;
+    tests|suite|convert|forward|backward|kernels|decode|generate|training|prefill|context) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -58,6 +60,10 @@ for name in "$@"; do
     generate) job generate 600 python3 benchmarks/bench_generate.py ;;
     training) job training 600 python3 benchmarks/bench_training.py ;;
     prefill) job prefill 600 python3 benchmarks/bench_prefill.py --out "$logs" ;;
+    # NVLink multicast off: required on the 2-GPU machine (the tests set it themselves).
+    context) job context 600 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_context_parallel.py \
+      && NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+         benchmarks/bench_context_parallel.py" ;;
   esac
 done
 printf '%s\n' "${summary[@]}"

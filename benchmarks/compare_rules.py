@@ -1,0 +1,428 @@
+"""The papers' comparisons, small (issue 6): every rule pretrained with one config on one token
+budget (validation loss, bits per byte), and the KLA paper's MQAR at 1x-8x the train length.
+One markdown table at the end, with the command that reproduces each of its rows.
+
+    python benchmarks/compare_rules.py                                # both parts, seed 0, out/compare
+    python benchmarks/compare_rules.py --parts lm --seeds 0 1 2       # the LM part, three seeds
+    python benchmarks/compare_rules.py --rules gdn rdn --seeds 1      # a subset
+    python benchmarks/compare_rules.py --table --seeds 0 1 2          # only the table of what exists
+
+1. LM part: train.py's `main` once per rule and seed, with the same flags but --attn-type and
+   --seed: the same data, the same batches for a seed, and a fixed --max-steps (never a time
+   budget), so every rule sees exactly the same tokens. Each run writes its own folder,
+   <results>/lm/<rule>-seed<seed>/ (train.py's output: metrics.json, model, checkpoint). The
+   table takes the final validation loss and bits per byte over all held-out files, and tokens/s
+   at the median training step (a short run's mean would weigh the first step's Triton compiles).
+2. MQAR part: benchmarks/mqar.py's `main` once per rule and seed, the paper's task at mqar.py's
+   defaults (2 layers, 32 pairs, train length 256, 10K steps, lr 1e-3), each into
+   <results>/mqar/<rule>-seed<seed>.json; the table takes the accuracy at 1x, 2x, 4x and 8x.
+3. The table: per rule, mean ± sample standard deviation over the seeds present and which seeds
+   those are; "missing" where a requested run has no result, "—" where none was asked for. Below
+   it: the setting each part ran in, each paper's claim beside the measured difference, and one
+   command per row and part. --table prints it without running anything; every run ends with it.
+
+Rules: --rules picks them (default: all six for the LM part; gdn, kla, rdn and rkla for MQAR,
+the KLA paper's set). A run finished in --results is not run again, so a comparison can be split
+over several processes (one GPU call each) and a stopped one continued; an LM run stopped after
+a checkpoint resumes from it (train.py --resume). A rule whose LM run fails (a non-finite loss)
+is reported and the others still run. The first run in a --results folder records the flags of
+each part in comparison.json; a later command with other flags is refused, so one folder is one
+comparison. Extra flags go to every run through --train-args / --mqar-args, written with "="
+(argparse takes a lone "--smoke" after a space for a flag of its own): --mqar-args=--smoke,
+--train-args="--hidden-size 32 --layers 2".
+
+The LM config, sized for one H200: train.py's default model (rdn: 18.6M parameters with tied
+embeddings, hidden 384, 8 layers, 6 heads of 64), rows of 1024 tokens, 8 rows a step, 500 steps
+(50 of warm-up, cosine to 0.1 x 1e-3): 4.1M tokens per run. The corpus is the data, not the GPU
+time, that bounds the budget: the default corpus (train.py's, the interpreter's standard
+library) holds 2.5M training tokens on the H200's Python 3.12 (8.2M with 3.11.7 here), and a
+94M-token run there overfit (validation loss best 4.16 at 13M tokens, 7.8 at the end). So the
+budget stays under 2 epochs of it (1.6 there), with small batches so that 500 optimizer steps
+fit in it. Each LM part prints its epochs and warns above 2. A longer comparison needs a bigger
+corpus: --corpus FOLDER (any folder of *.py files; torch's own package holds ~46 MB, ~12M tokens)
+with a higher --max-steps.
+
+GPU time, estimated (not measured): rdn ran at ~224k tokens/s with 32 rows a step; with 8 a
+step is partly host-bound, so ~40-50 ms, ~25 s for 500 steps (less for sgla, gdn, kla, whose
+kernels are 2-3x cheaper in backward); per process ~1 min of CUDA start-up and Triton compiles,
+plus each rule's own kernel variants, evaluation and saving. Six rules at one seed: ~4-6 min,
+~2.5 min a further seed. MQAR (mqar.py's docstring): ~5-6 min for the four rules at one seed,
+~4-5 min a further seed: three seeds of both, ~25 min. A GPU call is at most 10 minutes and
+starts a bare machine, so repeat one command, stopped in time, until the table is whole; bring
+back only the small JSON files, and carry them into the next call (out/ is git-ignored):
+
+    export PYTHONUNBUFFERED=1; timeout 560 python3 benchmarks/compare_rules.py --seeds 0 1 2 \\
+        2>&1 | tee $OUT/compare.log; find out/compare -name comparison.json -o -name metrics.json \\
+        -o -path '*/mqar/*.json' | tar czf $OUT/compare.tgz -T -
+    # then here: tar xzf <files_at>/compare.tgz, and the next call carries ["out/compare"];
+    # python benchmarks/compare_rules.py --table --seeds 0 1 2 prints the table at any point.
+
+Noise: initial weights and batch order come from the seed, the data split from the file paths,
+so a rerun on a CPU repeats a run bit for bit (train.py's tests check it); bf16 GPU kernels need
+not. The spread over seeds is the noise to read the differences against; MQAR's CPU calibration
+saw seed-to-seed differences as large as the GDN-KLA gap, hence --seeds 0 1 2 for the table.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import mqar  # noqa: E402  (a sibling script: benchmarks/ is on sys.path)
+import train  # noqa: E402
+
+LM_RULES = ("sgla", "rla", "gdn", "kla", "rdn", "rkla")
+MQAR_RULES = ("gdn", "kla", "rdn", "rkla")  # the KLA paper's MQAR set (it has no sGLA, RLA)
+PARTS = ("lm", "mqar")
+LM_STEPS = 500
+# The comparison's train.py flags besides --max-steps (the rest are train.py's defaults): see the
+# module docstring for why the batch is small.
+LM_CONFIG = ["--tie-word-embeddings", "--batch-size", "8", "--seq-len", "1024", "--warmup-steps", "50"]
+# What compare_rules itself sets in every LM run: --train-args must leave them alone. A time budget
+# or --resume from the command line would make the runs see different tokens.
+OWNED_TRAIN_FLAGS = ("attn_type", "seed", "out_dir", "data_dir", "corpus", "max_steps", "time_budget", "resume")
+OWNED_MQAR_FLAGS = ("--attn-types", "--seed", "--out")
+CONFIG_FILE = "comparison.json"
+MAX_EPOCHS = 2
+# (part, metric, rule, baseline, what the paper measured): the paper found the rule better.
+PAPER_CLAIMS = (
+    ("lm", "loss", "rdn", "gdn", "RDN 16.57 vs GDN 17.27 WikiText perplexity, 1.5B parameters, 100B tokens"),
+    ("lm", "loss", "kla", "gdn", "KLA 8.09 vs GDN 8.50 validation perplexity, 0.4B parameters, 1B tokens"),
+    ("mqar", "8x", "kla", "gdn", "KLA 73.84% vs GDN 66.81% at 8x the train length"),
+)
+
+
+def fail(message):
+    raise SystemExit(f"compare_rules.py: error: {message}")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=Path("out/compare"), help="the comparison's folder")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--rules", nargs="+", choices=LM_RULES,
+                        help=f"default: {' '.join(LM_RULES)} (LM), {' '.join(MQAR_RULES)} (MQAR)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--corpus", type=Path, help="LM corpus folder (default: train.py's, the standard library)")
+    parser.add_argument("--max-steps", type=int, default=LM_STEPS, help=f"LM training steps (default {LM_STEPS})")
+    parser.add_argument("--train-args", default="", help="more train.py flags for every LM run, as one string")
+    parser.add_argument("--mqar-args", default="", help="more benchmarks/mqar.py flags for every MQAR run")
+    parser.add_argument("--table", action="store_true", help="print the table of the results present; run nothing")
+    args = parser.parse_args(argv)
+    if len(set(args.seeds)) < len(args.seeds) or min(args.seeds) < 0:
+        parser.error(f"--seeds must be distinct and >= 0, got {' '.join(map(str, args.seeds))}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Where results live
+
+
+def lm_run_dir(results, rule, seed):
+    return results / "lm" / f"{rule}-seed{seed}"
+
+
+def mqar_result_path(results, rule, seed):
+    return results / "mqar" / f"{rule}-seed{seed}.json"
+
+
+def finished_lm_run(run_dir):
+    """The run's metrics if it finished (train.py writes the final validation last), else None."""
+    path = run_dir / "metrics.json"
+    metrics = json.loads(path.read_text()) if path.is_file() else {}
+    return metrics if "final_validation" in metrics else None
+
+
+def finished_runs(results, part):
+    """{rule: {seed: result}} of the finished runs of a part in `results`: an LM run's metrics,
+    or an MQAR run's record (the best lr's, when mqar.py swept several)."""
+    runs = {}
+    pattern = "lm/*-seed*/" if part == "lm" else "mqar/*-seed*.json"
+    for path in sorted(results.glob(pattern)):
+        rule, seed = path.name.removesuffix(".json").rsplit("-seed", 1)
+        if rule not in LM_RULES:
+            continue
+        if part == "lm":
+            result = finished_lm_run(path)
+        else:
+            saved = json.loads(path.read_text())
+            result = {**saved["runs"][saved["best"][rule]], "task": saved["task"], "device": saved["device"],
+                      "eval_lengths": saved["eval_lengths"]}
+        if result is not None:
+            runs.setdefault(rule, {})[int(seed)] = result
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def lm_flags(args):
+    """The compare_rules flags that fix the LM part's config (for its record and its commands)."""
+    corpus = ["--corpus", str(args.corpus)] if args.corpus else []
+    extra = [f"--train-args={args.train_args}"] if args.train_args else []
+    return [*corpus, "--max-steps", str(args.max_steps), *extra]
+
+
+def lm_train_args(args):
+    """train.py's flags shared by every LM run, refused if --train-args sets what compare_rules
+    sets (it would be overridden or make the rules see different tokens)."""
+    corpus = ["--corpus", str(args.corpus)] if args.corpus else []
+    shared = [*LM_CONFIG, *corpus, "--max-steps", str(args.max_steps)]
+    extra = shlex.split(args.train_args)
+    without, with_extra = train.parse_args(shared), train.parse_args(shared + extra)
+    overridden = [name for name in OWNED_TRAIN_FLAGS if getattr(without, name) != getattr(with_extra, name)]
+    if overridden:
+        fail(f"--train-args must not set {', '.join('--' + name.replace('_', '-') for name in overridden)}: "
+             f"compare_rules sets the rule, seed, folders, corpus and steps (--rules, --seeds, --results, --corpus, "
+             f"--max-steps), and every rule trains on the same steps")
+    return shared + extra
+
+
+def lm_run_argv(train_args, rule, seed, results):
+    argv = [*train_args, "--attn-type", rule, "--seed", str(seed), "--out-dir", str(lm_run_dir(results, rule, seed)),
+            "--data-dir", str(results / "data")]
+    if (lm_run_dir(results, rule, seed) / train.CHECKPOINT).exists():
+        argv.append("--resume")  # a run stopped after a checkpoint: train.py continues it exactly
+    return argv
+
+
+def mqar_args(args):
+    extra = shlex.split(args.mqar_args)
+    owned = [token for token in extra if token.split("=")[0] in OWNED_MQAR_FLAGS]
+    if owned:
+        fail(f"--mqar-args must not set {', '.join(owned)}: compare_rules sets them (--rules, --seeds, --results)")
+    return extra
+
+
+def record_config(results, configs):
+    """Write each part's config into results/comparison.json, or refuse one that differs from
+    the config its earlier runs there were made with."""
+    path = results / CONFIG_FILE
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    for part, config in configs.items():
+        if part in record and record[part]["argv"] != config["argv"]:
+            fail(f"{results} holds {part} runs made with the flags {shlex.join(record[part]['argv'])}; this "
+                 f"command gives {shlex.join(config['argv'])}: repeat their flags, or choose another --results")
+        record[part] = config
+    results.mkdir(parents=True, exist_ok=True)
+    train.write_json(path, record)
+
+
+def print_epochs(run_argv):
+    """The LM budget in epochs of the train split (preparing the data, cached for the runs)."""
+    run_args = train.parse_args(run_argv)
+    meta = train.prepare_data(run_args)[2]
+    tokens = run_args.max_steps * run_args.batch_size * run_args.seq_len
+    train_tokens = meta["splits"]["train"]["tokens"]
+    epochs = tokens / train_tokens
+    print(f"compare: each LM run: {run_args.max_steps} steps x {run_args.batch_size} x {run_args.seq_len} = "
+          f"{tokens:,} tokens, {epochs:.2f} epochs of the train split ({train_tokens:,} tokens of "
+          f"{meta['corpus_name']})", flush=True)
+    if epochs > MAX_EPOCHS:
+        print(f"compare: WARNING: more than {MAX_EPOCHS} epochs: the validation loss will measure overfitting too; "
+              f"give a bigger --corpus or fewer --max-steps", flush=True)
+
+
+def run_lm_part(train_args, rules, seeds, results):
+    """Train each rule at each seed not finished yet, seed by seed (a cut comparison then holds
+    whole seeds). Returns the runs that failed, with train.py's message."""
+    pending = [(rule, seed) for seed in seeds for rule in rules if not finished_lm_run(lm_run_dir(results, rule, seed))]
+    print(f"compare: lm: {len(rules) * len(seeds) - len(pending)} of {len(rules) * len(seeds)} runs finished already",
+          flush=True)
+    if pending:
+        print_epochs(lm_run_argv(train_args, *pending[0], results))
+    failures = []
+    for rule, seed in pending:
+        print(f"compare: lm {rule} seed {seed}", flush=True)
+        try:
+            train.main(lm_run_argv(train_args, rule, seed, results))
+        except SystemExit as error:  # e.g. a non-finite loss: the other rules still run
+            print(f"compare: lm {rule} seed {seed} FAILED: {error}", flush=True)
+            failures.append(f"lm {rule} seed {seed}: {error}")
+    return failures
+
+
+def run_mqar_part(extra_args, rules, seeds, results):
+    pending = [(rule, seed) for seed in seeds for rule in rules if not mqar_result_path(results, rule, seed).is_file()]
+    print(f"compare: mqar: {len(rules) * len(seeds) - len(pending)} of {len(rules) * len(seeds)} runs finished "
+          f"already", flush=True)
+    for rule, seed in pending:
+        print(f"compare: mqar {rule} seed {seed}", flush=True)
+        path = mqar_result_path(results, rule, seed)
+        partial = path.with_name(path.name + ".partial")  # renamed once whole: a cut run leaves no result
+        mqar.main([*extra_args, "--attn-types", rule, "--seed", str(seed), "--out", str(partial)])
+        os.replace(partial, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+
+
+def mean_and_spread(values, digits):
+    """'mean ± sample standard deviation' of the values; the mean alone for one value."""
+    mean = f"{statistics.fmean(values):.{digits}f}"
+    return f"{mean} ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else mean
+
+
+def seeds_cell(present, requested):
+    missing = [seed for seed in requested if seed not in present]
+    parts = [" ".join(map(str, sorted(present)))] if present else []
+    if missing:
+        parts.append("missing " + " ".join(map(str, missing)))
+    return ", ".join(parts) or "—"
+
+
+def median_step_tokens_per_second(metrics):
+    """Training tokens per second at the median step: the first step's compiles and the
+    evaluations between steps would weigh heavily in a short run's mean."""
+    seconds = [0.0] + [entry["seconds"] for entry in metrics["train"]]
+    step_seconds = statistics.median(b - a for a, b in zip(seconds, seconds[1:]))
+    return metrics["args"]["batch_size"] * metrics["args"]["seq_len"] / step_seconds
+
+
+def lm_setting(metrics):
+    data, final, args = metrics["data"], metrics["final_validation"], metrics["args"]
+    train_split = data["splits"]["train"]
+    return (f"{data['corpus_name']}: {train_split['files']} train files ({train_split['tokens']:,} tokens), "
+            f"{data['splits']['validation']['files']} held-out files ({final['tokens']:,} predicted tokens); "
+            f"{metrics['step']} steps of {args['batch_size']} x {args['seq_len']} tokens = {metrics['tokens_seen']:,} "
+            f"tokens ({metrics['tokens_seen'] / train_split['tokens']:.2f} epochs), {metrics['precision']} on "
+            f"{metrics['device']}")
+
+
+def mqar_setting(record):
+    task = record["task"]
+    return (f"{task['kv_pairs']} pairs, trained at length {task['train_length']} for {task['steps']} steps of "
+            f"{task['batch_size']}, lr {record['lr']:g}, {task['eval_examples']} sequences per length, on "
+            f"{record['device']}")
+
+
+def metric_values(lm_runs, mqar_runs):
+    """{(part, metric): {rule: [its value at each seed present]}}."""
+    values = defaultdict(dict)
+    for rule, by_seed in lm_runs.items():
+        for metric in ("loss", "bits_per_byte"):
+            values[("lm", metric)][rule] = [metrics["final_validation"][metric] for metrics in by_seed.values()]
+        values[("lm", "tokens_per_second")][rule] = [median_step_tokens_per_second(m) for m in by_seed.values()]
+    for rule, by_seed in mqar_runs.items():
+        for length in (f"{factor}x" for factor in mqar.LENGTH_FACTORS):
+            values[("mqar", length)][rule] = [100 * record["accuracy"][length] for record in by_seed.values()]
+    return values
+
+
+def table_lines(values, lm_runs, mqar_runs, lm_rules, mqar_rules, seeds):
+    any_mqar = next((record for by_seed in mqar_runs.values() for record in by_seed.values()), None)
+    lengths = [f"{f}x" + (f" ({any_mqar['eval_lengths'][f'{f}x']})" if any_mqar else "") for f in mqar.LENGTH_FACTORS]
+    lines = ["| rule | val loss (nats/token) | bits/byte | tokens/s | LM seeds | "
+             + " | ".join(f"MQAR {length}" for length in lengths) + " | MQAR seeds |",
+             "|---|" + "---|" * (5 + len(lengths))]
+    columns = (("lm", (("loss", 4), ("bits_per_byte", 4), ("tokens_per_second", 0)), lm_rules, lm_runs),
+               ("mqar", tuple((f"{f}x", 2) for f in mqar.LENGTH_FACTORS), mqar_rules, mqar_runs))
+    for rule in LM_RULES:
+        if not any(rule in group for group in (lm_rules, mqar_rules, lm_runs, mqar_runs)):
+            continue
+        cells = [rule]
+        for part, metrics, requested_rules, runs in columns:
+            requested = rule in requested_rules
+            for metric, digits in metrics:
+                present = values[(part, metric)].get(rule)
+                cells.append(mean_and_spread(present, digits) if present else "missing" if requested else "—")
+            cells.append(seeds_cell(runs.get(rule, {}), seeds if requested else []))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def setting_lines(lm_runs, mqar_runs):
+    lines = ["Mean ± sample standard deviation over the seeds listed; MQAR in % of the answers right. tokens/s: "
+             "training tokens per second at the median step."]
+    for part, runs, setting in (("LM", lm_runs, lm_setting), ("MQAR", mqar_runs, mqar_setting)):
+        settings = sorted({setting(result) for by_seed in runs.values() for result in by_seed.values()})
+        warning = " (WARNING: its runs differ)" if len(settings) > 1 else ""
+        lines += [f"{part}{warning}: {text}" for text in settings]
+    return lines
+
+
+def claim_lines(values):
+    """Each paper's claim beside the measured difference of the means, against the seeds' spread."""
+    lines = ["The papers' claims (the rule better than the baseline) beside these results:"]
+    for part, metric, rule, baseline, paper in PAPER_CLAIMS:
+        ours, theirs = values[(part, metric)].get(rule), values[(part, metric)].get(baseline)
+        name = "validation loss" if metric == "loss" else f"MQAR accuracy at {metric} (points)"
+        if not ours or not theirs:
+            lines.append(f"- {rule} - {baseline} {name}: missing ({paper})")
+            continue
+        difference = statistics.fmean(ours) - statistics.fmean(theirs)
+        better = difference < 0 if metric == "loss" else difference > 0
+        spreads = [statistics.stdev(v) for v in (ours, theirs) if len(v) > 1]
+        noise = ("one seed each: spread unknown" if not spreads else
+                 "within the seeds' spread" if abs(difference) <= max(spreads) else "beyond the seeds' spread")
+        verdict = f"{rule} better, as in the paper" if better else f"{rule} not better, unlike the paper"
+        lines.append(f"- {rule} - {baseline} {name}: {difference:+.{4 if metric == 'loss' else 2}f} "
+                     f"({len(ours)} / {len(theirs)} seeds, {noise}): {verdict} ({paper})")
+    return lines
+
+
+def command_lines(results, configs, lm_runs, mqar_runs, lm_rules, mqar_rules, seeds):
+    lines = [f"Commands, one per row and part (runs finished in {results} are skipped: give an empty --results "
+             f"to recompute); each run's own train.py / mqar.py command is in its metrics.json / JSON:", "```"]
+    for part, rules, runs in (("lm", lm_rules, lm_runs), ("mqar", mqar_rules, mqar_runs)):
+        flags = configs.get(part, {}).get("flags", [])
+        for rule in (r for r in LM_RULES if r in rules or r in runs):
+            rule_seeds = sorted(runs.get(rule, {})) or seeds
+            lines.append(shlex.join(["python", "benchmarks/compare_rules.py", "--results", str(results), "--parts",
+                                     part, "--rules", rule, "--seeds", *map(str, rule_seeds), *flags]))
+    return lines + ["```"]
+
+
+def comparison_table(results, lm_rules, mqar_rules, seeds):
+    """The markdown table of the results in `results`, its settings, the papers' claims beside
+    the measured differences, and the commands; runs asked for (rules x seeds) and absent are
+    marked missing."""
+    lm_runs, mqar_runs = finished_runs(results, "lm"), finished_runs(results, "mqar")
+    path = results / CONFIG_FILE
+    configs = json.loads(path.read_text()) if path.is_file() else {}
+    values = metric_values(lm_runs, mqar_runs)
+    return "\n".join([*table_lines(values, lm_runs, mqar_runs, lm_rules, mqar_rules, seeds), "",
+                      *setting_lines(lm_runs, mqar_runs), "", *claim_lines(values), "",
+                      *command_lines(results, configs, lm_runs, mqar_runs, lm_rules, mqar_rules, seeds)])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    lm_rules = (args.rules or LM_RULES) if "lm" in args.parts else ()
+    mqar_rules = (args.rules or MQAR_RULES) if "mqar" in args.parts else ()
+    failures = []
+    if args.table:
+        if not args.results.is_dir():
+            fail(f"--results {args.results} is not a folder: nothing to tabulate")
+    else:
+        # Every part's flags are checked before any run, so a mismatch cannot waste a part's run time.
+        train_args = lm_train_args(args) if lm_rules else None
+        extra_mqar_args = mqar_args(args) if mqar_rules else None
+        configs = {}
+        if lm_rules:
+            configs["lm"] = {"flags": lm_flags(args), "argv": train_args}
+        if mqar_rules:
+            configs["mqar"] = {"flags": [f"--mqar-args={args.mqar_args}"] if args.mqar_args else [],
+                               "argv": extra_mqar_args}
+        record_config(args.results, configs)
+        if lm_rules:
+            failures = run_lm_part(train_args, lm_rules, args.seeds, args.results)
+        if mqar_rules:
+            run_mqar_part(extra_mqar_args, mqar_rules, args.seeds, args.results)
+    table = comparison_table(args.results, lm_rules, mqar_rules, args.seeds)
+    print(table)
+    if failures:
+        fail("runs failed:\n" + "\n".join(failures))
+    return table
+
+
+if __name__ == "__main__":
+    main()

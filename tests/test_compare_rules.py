@@ -1,0 +1,243 @@
+"""benchmarks/compare_rules.py on a CPU: real tiny runs (train.py's tiny model on a corpus written
+to a temporary folder, mqar.py --smoke, torch kernels) land per rule and are not run twice; the
+table's means and spreads are checked against hand-computed numbers on fabricated results."""
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # compare_rules imports its sibling mqar.py
+import compare_rules  # noqa: E402
+
+CORPUS = {f"module_{i}.py": "".join(f"def add_{i}_{j}(a, b):\n    return a + b * {j}\n\n" for j in range(30))
+          for i in range(5)}
+TINY_TRAIN = ("--vocab-size 300 --hidden-size 32 --layers 2 --heads 2 --head-dim 16 --intermediate-size 64 "
+              "--kernel-backend torch --seq-len 64 --batch-size 4 --warmup-steps 1 --eval-tokens 256 --device cpu")
+TINY_MQAR = "--smoke --steps 4 --kernel-backend torch --device cpu"
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for name, text in CORPUS.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def tiny_argv(results, corpus, *extra, steps=3):
+    return ["--results", str(results), "--corpus", str(corpus), "--max-steps", str(steps), f"--train-args={TINY_TRAIN}",
+            f"--mqar-args={TINY_MQAR}", *extra]
+
+
+def test_each_rule_runs_into_its_own_folder_and_a_rerun_skips_finished_runs(tmp_path, corpus, monkeypatch):
+    results = tmp_path / "results"
+    table = compare_rules.main(tiny_argv(results, corpus, "--rules", "gdn", "rdn"))
+
+    metrics = {rule: json.loads((results / "lm" / f"{rule}-seed0" / "metrics.json").read_text())
+               for rule in ("gdn", "rdn")}
+    for rule, run in metrics.items():
+        assert run["args"]["attn_type"] == rule and run["step"] == 3 and "final_validation" in run
+        assert f"| {rule} | {run['final_validation']['loss']:.4f} | {run['final_validation']['bits_per_byte']:.4f} |" \
+            in table
+    # One shared config: the runs' flags differ only in the rule and the folder; same data.
+    differing = {name for name, value in metrics["gdn"]["args"].items() if metrics["rdn"]["args"][name] != value}
+    assert differing == {"attn_type", "out_dir"}
+    assert metrics["gdn"]["data"] == metrics["rdn"]["data"]
+    for rule in ("gdn", "rdn"):
+        saved = json.loads((results / "mqar" / f"{rule}-seed0.json").read_text())
+        assert [(run["attn_type"], run["seed"]) for run in saved["runs"]] == [(rule, 0)]
+    assert not list(results.glob("mqar/*.partial"))
+
+    calls = []
+
+    def stub_mqar_main(argv):  # a result where mqar.py writes it, as if it ran
+        calls.append(("mqar", argv[argv.index("--attn-types") + 1]))
+        saved = json.loads((results / "mqar" / "gdn-seed0.json").read_text())
+        saved.update(runs=[{**saved["runs"][0], "attn_type": "kla"}], best={"kla": 0})
+        Path(argv[argv.index("--out") + 1]).write_text(json.dumps(saved))
+
+    monkeypatch.setattr(compare_rules.train, "main",
+                        lambda argv: calls.append(("lm", argv[argv.index("--attn-type") + 1])))
+    monkeypatch.setattr(compare_rules.mqar, "main", stub_mqar_main)
+    table = compare_rules.main(tiny_argv(results, corpus, "--rules", "gdn", "kla", "rdn"))
+    assert calls == [("lm", "kla"), ("mqar", "kla")]
+    assert "| kla | missing | missing | missing | missing 0 | " in table  # the stub trained nothing
+
+
+def test_a_stopped_lm_run_resumes_from_its_checkpoint(tmp_path, corpus, monkeypatch):
+    results = tmp_path / "results"
+    argv = tiny_argv(results, corpus, "--parts", "lm", "--rules", "gdn", f"--train-args={TINY_TRAIN} --save-interval 2",
+                     steps=4)
+    save_checkpoint = compare_rules.train.save_checkpoint
+
+    def save_then_stop(*args):
+        save_checkpoint(*args)
+        raise KeyboardInterrupt  # as if the GPU call's time ran out right after step 2's checkpoint
+
+    monkeypatch.setattr(compare_rules.train, "save_checkpoint", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        compare_rules.main(argv)
+    monkeypatch.undo()
+    assert "missing 0" in compare_rules.main(argv[:2] + ["--table", "--parts", "lm", "--rules", "gdn"])
+    compare_rules.main(argv)
+    run = json.loads((results / "lm" / "gdn-seed0" / "metrics.json").read_text())
+    assert run["step"] == 4 and len(run["commands"]) == 2 and run["commands"][1].endswith("--resume")
+
+
+def test_a_failed_lm_run_leaves_the_others_running(tmp_path, corpus, monkeypatch):
+    ran = []
+
+    def stub_main(argv):
+        rule = argv[argv.index("--attn-type") + 1]
+        ran.append(rule)
+        if rule == "kla":
+            raise SystemExit("train.py: error: the training loss is nan at step 2")
+        write_lm_run(tmp_path / "results", rule, 0, loss=3.0, bits_per_byte=1.0, step_seconds=0.1)
+
+    monkeypatch.setattr(compare_rules.train, "main", stub_main)
+    with pytest.raises(SystemExit, match="runs failed:\nlm kla seed 0: train.py: error: the training loss is nan"):
+        compare_rules.main(tiny_argv(tmp_path / "results", corpus, "--parts", "lm", "--rules", "gdn", "kla", "rdn"))
+    assert ran == ["gdn", "kla", "rdn"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The table, from fabricated results
+
+
+def write_lm_run(results, rule, seed, loss, bits_per_byte, step_seconds, device="CPU", finished=True):
+    """A metrics.json as train.py writes it, trimmed to what the table reads: 4 steps of 4 x 64
+    tokens, the first one 10 s long (compiles), then step_seconds each."""
+    folder = results / "lm" / f"{rule}-seed{seed}"
+    folder.mkdir(parents=True)
+    seconds = [10.0 + step_seconds * i for i in range(4)]
+    metrics = {"args": {"batch_size": 4, "seq_len": 64}, "step": 4, "tokens_seen": 1024, "precision": "fp32",
+               "device": device, "train": [{"step": i + 1, "seconds": round(s, 3)} for i, s in enumerate(seconds)],
+               "data": {"corpus_name": "corpus", "splits": {"train": {"files": 4, "tokens": 2048},
+                                                            "validation": {"files": 1, "tokens": 500}}}}
+    if finished:
+        metrics["final_validation"] = {"loss": loss, "bits_per_byte": bits_per_byte, "tokens": 499, "bytes": 1500}
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+
+
+def write_mqar_run(results, rule, seed, accuracy_8x):
+    folder = results / "mqar"
+    folder.mkdir(parents=True, exist_ok=True)
+    run = {"attn_type": rule, "lr": 1e-3, "seed": seed,
+           "accuracy": {"1x": 1.0, "2x": 0.99, "4x": 0.95, "8x": accuracy_8x}}
+    saved = {"task": {"kv_pairs": 32, "train_length": 256, "steps": 10000, "batch_size": 32, "eval_examples": 2000},
+             "eval_lengths": {"1x": 256, "2x": 512, "4x": 1024, "8x": 2048}, "device": "cuda", "runs": [run],
+             "best": {rule: 0}}
+    (folder / f"{rule}-seed{seed}.json").write_text(json.dumps(saved))
+
+
+@pytest.fixture
+def fabricated(tmp_path):
+    results = tmp_path / "results"
+    # rdn: loss 3.0, 3.2, 3.4 -> 3.2 ± 0.2; bits per byte 1.0, 1.1, 1.3 -> 1.1333 ± 0.1528;
+    # 256 tokens a step at 0.1, 0.2, 0.1 s a step (median) -> 2560, 1280, 2560 -> 2133 ± 739.
+    for seed, (loss, bits_per_byte, step_seconds) in enumerate([(3.0, 1.0, 0.1), (3.2, 1.1, 0.2), (3.4, 1.3, 0.1)]):
+        write_lm_run(results, "rdn", seed, loss, bits_per_byte, step_seconds)
+    write_lm_run(results, "gdn", 0, 3.5, 1.4, 0.1, device="NVIDIA H200")
+    write_lm_run(results, "sgla", 0, 9.9, 9.9, 0.1, finished=False)  # stopped: not a result
+    # kla at 8x: 90%, 80% -> 85.00 ± 7.07; gdn 70%.
+    write_mqar_run(results, "kla", 0, 0.9)
+    write_mqar_run(results, "kla", 1, 0.8)
+    write_mqar_run(results, "gdn", 0, 0.7)
+    (results / "mqar" / "rdn-seed0.json.partial").write_text("{")  # a cut MQAR run: not a result
+    (results / compare_rules.CONFIG_FILE).write_text(json.dumps(
+        {"lm": {"flags": ["--max-steps", "500"], "argv": []}, "mqar": {"flags": [], "argv": []}}))
+    return results
+
+
+def table_rows(table):
+    return {line.split(" | ")[0].removeprefix("| "): line.strip("| ").split(" | ")[1:]
+            for line in table.splitlines() if line.startswith("| ") and not line.startswith("| rule")}
+
+
+def test_table_aggregates_the_seeds_present_and_marks_what_is_missing(fabricated):
+    table = compare_rules.main(["--results", str(fabricated), "--table", "--seeds", "0", "1", "2"])
+    rows = table_rows(table)
+    assert list(rows) == ["sgla", "rla", "gdn", "kla", "rdn", "rkla"]  # the issue's order
+    # rule: loss, bits/byte, tokens/s, LM seeds, MQAR 1x, 2x, 4x, 8x, MQAR seeds
+    assert rows["rdn"] == ["3.2000 ± 0.2000", "1.1333 ± 0.1528", "2133 ± 739", "0 1 2",
+                           "missing", "missing", "missing", "missing", "missing 0 1 2"]
+    assert rows["gdn"] == ["3.5000", "1.4000", "2560", "0, missing 1 2", "100.00", "99.00", "95.00", "70.00",
+                           "0, missing 1 2"]
+    assert rows["kla"][4:] == ["100.00 ± 0.00", "99.00 ± 0.00", "95.00 ± 0.00", "85.00 ± 7.07", "0 1, missing 2"]
+    assert rows["sgla"] == ["missing"] * 3 + ["missing 0 1 2"] + ["—"] * 5  # MQAR has no sgla by default
+    assert "| MQAR 1x (256) | MQAR 2x (512) | MQAR 4x (1024) | MQAR 8x (2048) |" in table
+
+    assert "LM (WARNING: its runs differ): corpus: 4 train files (2,048 tokens)" in table  # gdn ran elsewhere
+    assert "4 steps of 4 x 64 tokens = 1,024 tokens (0.50 epochs), fp32 on NVIDIA H200" in table
+    assert "- rdn - gdn validation loss: -0.3000 (3 / 1 seeds, beyond the seeds' spread): rdn better, as in" in table
+    assert "- kla - gdn validation loss: missing" in table
+    assert "- kla - gdn MQAR accuracy at 8x (points): +15.00 (2 / 1 seeds, beyond the seeds' spread): kla better" \
+        in table
+    commands = table.split("```")[1].strip().splitlines()
+    assert f"python benchmarks/compare_rules.py --results {fabricated} --parts lm --rules rdn --seeds 0 1 2 " \
+           "--max-steps 500" in commands
+    assert f"python benchmarks/compare_rules.py --results {fabricated} --parts mqar --rules kla --seeds 0 1" in commands
+    assert len(commands) == 6 + 4  # a command per row and part
+
+
+def test_the_papers_claims_read_the_direction_and_the_spread(fabricated):
+    # gdn: 3.5, 3.28 -> 3.39 ± 0.156; rdn's 3.2 ± 0.2 is 0.19 lower: within the larger spread of the two.
+    write_lm_run(fabricated, "gdn", 1, 3.28, 1.0, 0.1)
+    write_mqar_run(fabricated, "gdn", 1, 0.95)  # gdn 8x: 70%, 95% -> 82.5: kla's 85 is better, within 17.7
+    table = compare_rules.main(["--results", str(fabricated), "--table"])
+    assert "- rdn - gdn validation loss: -0.1900 (3 / 2 seeds, within the seeds' spread): rdn better" in table
+    assert "MQAR accuracy at 8x (points): +2.50 (2 / 2 seeds, within the seeds' spread): kla better, as in" in table
+    write_lm_run(fabricated, "kla", 0, 3.4, 1.0, 0.1)
+    assert "- kla - gdn validation loss: +0.0100 (1 / 2 seeds, within the seeds' spread): kla not better, unlike" \
+        in compare_rules.main(["--results", str(fabricated), "--table"])
+
+
+def test_a_results_folder_refuses_runs_with_other_flags(tmp_path, corpus, monkeypatch):
+    ran = []
+    monkeypatch.setattr(compare_rules.train, "main", lambda argv: ran.append(argv))
+    results = tmp_path / "results"
+    compare_rules.main(tiny_argv(results, corpus, "--parts", "lm", "--rules", "gdn"))
+    compare_rules.main(tiny_argv(results, corpus, "--parts", "lm", "--rules", "rdn", "--seeds", "1"))  # same flags
+    assert len(ran) == 2
+    with pytest.raises(SystemExit, match=f"{results} holds lm runs made with the flags .* --max-steps 3 .*; this "
+                                         "command gives .* --max-steps 4 .*: repeat their flags"):
+        compare_rules.main(tiny_argv(results, corpus, "--parts", "lm", "--rules", "gdn", steps=4))
+    recorded = json.loads((results / compare_rules.CONFIG_FILE).read_text())
+    assert recorded["lm"]["flags"] == ["--corpus", str(corpus), "--max-steps", "3", f"--train-args={TINY_TRAIN}"]
+    assert shlex.split(TINY_TRAIN)[-2:] == recorded["lm"]["argv"][-2:]
+    assert len(ran) == 2
+
+
+def error_of(argv, capsys):
+    with pytest.raises(SystemExit) as raised:
+        compare_rules.main(argv)
+    return f"{raised.value.code} {capsys.readouterr().err}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rules", "mamba"], "argument --rules: invalid choice: 'mamba'"),
+    (["--seeds"], "argument --seeds: expected at least one argument"),
+    (["--seeds", "1", "1"], "--seeds must be distinct and >= 0, got 1 1"),
+    (["--seeds", "-1"], "--seeds must be distinct and >= 0, got -1"),
+    (["--parts", "nlp"], "argument --parts: invalid choice: 'nlp'"),
+    (["--train-args=--attn-type gdn --seed 3"], "--train-args must not set --attn-type, --seed: compare_rules sets"),
+    (["--train-args=--time-budget 5"], "--train-args must not set --time-budget"),
+    (["--train-args=--max-steps=9"], "--train-args must not set --max-steps"),
+    (["--mqar-args=--smoke --seed=3"], "--mqar-args must not set --seed=3"),
+    (["--table"], "is not a folder: nothing to tabulate"),
+])
+def test_bad_arguments_fail_clearly(tmp_path, capsys, monkeypatch, argv, message):
+    def must_not_run(*args):
+        raise AssertionError("a run started despite the bad arguments")
+
+    for module, name in ((compare_rules.train, "main"), (compare_rules.train, "prepare_data"),
+                         (compare_rules.mqar, "main")):
+        monkeypatch.setattr(module, name, must_not_run)
+    assert message in error_of(["--results", str(tmp_path / "results"), *argv], capsys)
+    assert not (tmp_path / "results").exists()  # refused before anything was written
