@@ -109,22 +109,23 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 # Chunked forward (DESIGN.md section 1, "Chunked form"). The tokens of every sequence lie one
 # after another ([L tokens, heads, dim]); chunks of BC tokens never straddle two sequences, and
 # the rows of a short tail chunk load as zeros (g = 0, strength b = 0, k = 0), which neither
-# decay nor write any state. Four kernels (two for the additive rule), each serving every rule:
-#   _chunk_inverse_kernel (delta rule), every chunk at once: T^-1 from 16 x 16 blocks,
-#       T = I + diag(b) strictly_lower(e^(G_i - G_j) K K^T), for S and, with the residual state,
-#       for R from the same Gram matrix; few warps suit its small tiles;
+# decay nor write any state. Four kernels (two for sGLA), each serving every rule:
+#   _chunk_gram_kernel (delta rule, residual rules), every chunk at once, from K K^T by 16 x 16
+#       blocks (few warps suit them): T^-1, T = I + diag(b) strictly_lower(e^(G_i - G_j) K K^T),
+#       for S and, with the residual state, for R; and the residual rules' prediction operator
+#       P = strictly_lower(e^(G_prev_i - G_j) K K^T), so that no sequential loop forms K K^T;
 #   _chunk_wy_kernel (delta rule), every chunk at once: the WY terms
 #       W = T^-1 diag(b e^G) K and U0 = T^-1 diag(b) V, as full-chunk tensor-core dots;
 #   _chunk_state_kernel, chunk after chunk for one (sequence, value head, value tile): stores the
 #       chunk-start states h and the chunk's writes U = U0 - W h (the additive rule writes
 #       U = diag(b) V) and moves on to S = e^(G_last) h + (e^(G_last - G) K)^T U. The residual
-#       rules advance R in the same loop: pred_t = S_{t-1}^T k_t and the clipped residual never
-#       leave registers, only R's writes and chunk-start states are stored;
+#       rules advance R in the same loop: pred = e^(G_prev) K h + P U and the clipped residual
+#       never leave registers, only R's writes and chunk-start states are stored;
 #   _chunk_output_kernel, every chunk at once: o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U,
 #       for the residual rules the exclusive base read plus gamma times R's read.
 # Precision: states, decays and the inverse's blocks in fp32 (merged with tf32 dots for bf16/fp16
 # inputs); the large dots take their operands in the input dtype (bf16/fp16 tensor cores, fp32
-# accumulation); everything is exact fp32 ("ieee") for fp32 inputs. T^-1, W, U0, U and h are
+# accumulation); everything is exact fp32 ("ieee") for fp32 inputs. T^-1, P, W, U0, U and h are
 # stored in the input dtype.
 # ---------------------------------------------------------------------------------------------
 
@@ -198,23 +199,55 @@ def _mm_fp32(a, b, DT: tl.constexpr):
 
 @triton.jit
 def _key_block(k_ptr, g_ptr, first_row, end, head, HV, GROUP, DK, G_before, BLOCK: tl.constexpr, BK: tl.constexpr):
-    """One BLOCK-row block of a chunk: its rows, keys and cumulative log decay G (continuing
-    G_before), and G at its last row."""
+    """One BLOCK-row block of a chunk: its rows, keys, cumulative log decay G (continuing
+    G_before) and G_prev = G - g (before each row's own decay), and G at its last row."""
     rows = first_row + tl.arange(0, BLOCK)
     row_ok = rows < end
     g = _token_scalars(g_ptr, rows, row_ok, head, HV)
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, tl.arange(0, BK), DK)
-    return rows, row_ok, k, G_before + tl.cumsum(g, axis=0), G_before + tl.sum(g, axis=0)
+    G = G_before + tl.cumsum(g, axis=0)
+    return rows, row_ok, k, G, G - g, G_before + tl.sum(g, axis=0)
 
 
 @triton.jit
-def _decayed_gram(k_i, k_j, G_i, G_j, DIAGONAL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
-    """Block (i, j) of e^(G_i - G_j) K K^T, strictly lower on the diagonal."""
+def _decayed(gram, G_i, G_j, DIAGONAL: tl.constexpr, BLOCK: tl.constexpr):
+    """e^(G_i - G_j) times block (i, j) of K K^T, strictly lower on the diagonal."""
     log_decay = G_i[:, None] - G_j[None, :]
     if DIAGONAL:
         r = tl.arange(0, BLOCK)
         log_decay = tl.where(r[:, None] > r[None, :], log_decay, float("-inf"))
-    return tl.exp(log_decay) * _mm(k_i, tl.trans(k_j), DT)
+    return tl.exp(log_decay) * gram
+
+
+@triton.jit
+def _decayed_blocks(K00, K10, K11, K20, K21, K22, K30, K31, K32, K33, Gr0, Gr1, Gr2, Gr3, G0, G1, G2, G3,
+                    BLOCK: tl.constexpr):
+    """The ten blocks on and below the diagonal of strictly_lower(e^(Gr_i - G_j) K K^T), from
+    those of K K^T: Gr is G for T's matrix A, G_prev for the prediction operator P."""
+    return (_decayed(K00, Gr0, G0, True, BLOCK),
+            _decayed(K10, Gr1, G0, False, BLOCK), _decayed(K11, Gr1, G1, True, BLOCK),
+            _decayed(K20, Gr2, G0, False, BLOCK), _decayed(K21, Gr2, G1, False, BLOCK),
+            _decayed(K22, Gr2, G2, True, BLOCK),
+            _decayed(K30, Gr3, G0, False, BLOCK), _decayed(K31, Gr3, G1, False, BLOCK),
+            _decayed(K32, Gr3, G2, False, BLOCK), _decayed(K33, Gr3, G3, True, BLOCK))
+
+
+@triton.jit
+def _store_lower(B00, B10, B11, B20, B21, B22, B30, B31, B32, B33, ptr, rows0, ok0, rows1, ok1, rows2, ok2,
+                 rows3, ok3, head, HV, BC: tl.constexpr, BLOCK: tl.constexpr):
+    """A chunk's lower block-triangular [BC, BC] matrix as rows [token, head, position in the
+    chunk]; blocks above the diagonal are left unwritten (`_load_lower` masks them)."""
+    c = tl.arange(0, BLOCK)
+    _store_rows(ptr, rows0, ok0, head, HV, c, BC, B00)
+    _store_rows(ptr, rows1, ok1, head, HV, c, BC, B10)
+    _store_rows(ptr, rows1, ok1, head, HV, c + BLOCK, BC, B11)
+    _store_rows(ptr, rows2, ok2, head, HV, c, BC, B20)
+    _store_rows(ptr, rows2, ok2, head, HV, c + BLOCK, BC, B21)
+    _store_rows(ptr, rows2, ok2, head, HV, c + 2 * BLOCK, BC, B22)
+    _store_rows(ptr, rows3, ok3, head, HV, c, BC, B30)
+    _store_rows(ptr, rows3, ok3, head, HV, c + BLOCK, BC, B31)
+    _store_rows(ptr, rows3, ok3, head, HV, c + 2 * BLOCK, BC, B32)
+    _store_rows(ptr, rows3, ok3, head, HV, c + 3 * BLOCK, BC, B33)
 
 
 @triton.jit
@@ -234,8 +267,7 @@ def _store_inverse(M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, strength_pt
                    rows0, ok0, rows1, ok1, rows2, ok2, rows3, ok3, head, HV, BC: tl.constexpr,
                    BLOCK: tl.constexpr, DT: tl.constexpr):
     """X = T^-1, T = I + diag(b) M (M: the blocks of the decayed Gram matrix), by blocks:
-    X_ii = (I + A_ii)^-1 and X_ij = -X_ii sum_{j <= m < i} A_im X_mj. Stored as rows [token,
-    head, position in the chunk]; blocks above the diagonal are left unwritten."""
+    X_ii = (I + A_ii)^-1 and X_ij = -X_ii sum_{j <= m < i} A_im X_mj; stored by `_store_lower`."""
     b0 = _token_scalars(strength_ptr, rows0, ok0, head, HV)[:, None]
     b1 = _token_scalars(strength_ptr, rows1, ok1, head, HV)[:, None]
     b2 = _token_scalars(strength_ptr, rows2, ok2, head, HV)[:, None]
@@ -251,49 +283,46 @@ def _store_inverse(M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, strength_pt
     X31 = -_mm_fp32(X33, _mm_fp32(b3 * M31, X11, DT) + _mm_fp32(b3 * M32, X21, DT), DT)
     X30 = -_mm_fp32(X33, _mm_fp32(b3 * M30, X00, DT) + _mm_fp32(b3 * M31, X10, DT) + _mm_fp32(b3 * M32, X20, DT),
                     DT)
-    c = tl.arange(0, BLOCK)
-    _store_rows(X_ptr, rows0, ok0, head, HV, c, BC, X00)
-    _store_rows(X_ptr, rows1, ok1, head, HV, c, BC, X10)
-    _store_rows(X_ptr, rows1, ok1, head, HV, c + BLOCK, BC, X11)
-    _store_rows(X_ptr, rows2, ok2, head, HV, c, BC, X20)
-    _store_rows(X_ptr, rows2, ok2, head, HV, c + BLOCK, BC, X21)
-    _store_rows(X_ptr, rows2, ok2, head, HV, c + 2 * BLOCK, BC, X22)
-    _store_rows(X_ptr, rows3, ok3, head, HV, c, BC, X30)
-    _store_rows(X_ptr, rows3, ok3, head, HV, c + BLOCK, BC, X31)
-    _store_rows(X_ptr, rows3, ok3, head, HV, c + 2 * BLOCK, BC, X32)
-    _store_rows(X_ptr, rows3, ok3, head, HV, c + 3 * BLOCK, BC, X33)
+    _store_lower(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, X_ptr, rows0, ok0, rows1, ok1, rows2, ok2,
+                 rows3, ok3, head, HV, BC, BLOCK)
 
 
 @triton.jit
-def _chunk_inverse_kernel(k_ptr, g_ptr, strength_ptr, residual_strength_ptr, cu_seqlens_ptr, chunk_seq_ptr,
-                          chunk_offsets_ptr, X_ptr, X_residual_ptr, T, NT, HV, GROUP, DK, BC: tl.constexpr,
-                          BLOCK: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, RESIDUAL: tl.constexpr,
-                          VARLEN: tl.constexpr):
-    """T^-1 of a chunk for S (write strength beta) and, with the residual state, for R (its write
-    strength): both from one decayed Gram matrix."""
+def _chunk_gram_kernel(k_ptr, g_ptr, strength_ptr, residual_strength_ptr, cu_seqlens_ptr, chunk_seq_ptr,
+                       chunk_offsets_ptr, X_ptr, X_residual_ptr, P_ptr, T, NT, HV, GROUP, DK, BC: tl.constexpr,
+                       BLOCK: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
+                       RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
+    """What a chunk's K K^T gives, by 16 x 16 blocks: for the delta rule T^-1 for S (write
+    strength beta) and, with the residual state, for R (its write strength); for the residual
+    rules the prediction operator P = strictly_lower(e^(G_prev_i - G_j) K K^T), which `_pred`
+    reads so that the sequential kernels need no K K^T in their loops."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     fixed = (end, head, HV, GROUP, DK)
-    rows0, ok0, k0, G0, G_end = _key_block(k_ptr, g_ptr, start, *fixed, 0.0, BLOCK, BK)
-    rows1, ok1, k1, G1, G_end = _key_block(k_ptr, g_ptr, start + BLOCK, *fixed, G_end, BLOCK, BK)
-    rows2, ok2, k2, G2, G_end = _key_block(k_ptr, g_ptr, start + 2 * BLOCK, *fixed, G_end, BLOCK, BK)
-    rows3, ok3, k3, G3, G_end = _key_block(k_ptr, g_ptr, start + 3 * BLOCK, *fixed, G_end, BLOCK, BK)
-    gram = (_decayed_gram(k0, k0, G0, G0, True, BLOCK, DT),
-            _decayed_gram(k1, k0, G1, G0, False, BLOCK, DT), _decayed_gram(k1, k1, G1, G1, True, BLOCK, DT),
-            _decayed_gram(k2, k0, G2, G0, False, BLOCK, DT), _decayed_gram(k2, k1, G2, G1, False, BLOCK, DT),
-            _decayed_gram(k2, k2, G2, G2, True, BLOCK, DT),
-            _decayed_gram(k3, k0, G3, G0, False, BLOCK, DT), _decayed_gram(k3, k1, G3, G1, False, BLOCK, DT),
-            _decayed_gram(k3, k2, G3, G2, False, BLOCK, DT), _decayed_gram(k3, k3, G3, G3, True, BLOCK, DT))
+    rows0, ok0, k0, G0, Gp0, G_end = _key_block(k_ptr, g_ptr, start, *fixed, 0.0, BLOCK, BK)
+    rows1, ok1, k1, G1, Gp1, G_end = _key_block(k_ptr, g_ptr, start + BLOCK, *fixed, G_end, BLOCK, BK)
+    rows2, ok2, k2, G2, Gp2, G_end = _key_block(k_ptr, g_ptr, start + 2 * BLOCK, *fixed, G_end, BLOCK, BK)
+    rows3, ok3, k3, G3, Gp3, G_end = _key_block(k_ptr, g_ptr, start + 3 * BLOCK, *fixed, G_end, BLOCK, BK)
+    gram = (_mm(k0, tl.trans(k0), DT),
+            _mm(k1, tl.trans(k0), DT), _mm(k1, tl.trans(k1), DT),
+            _mm(k2, tl.trans(k0), DT), _mm(k2, tl.trans(k1), DT), _mm(k2, tl.trans(k2), DT),
+            _mm(k3, tl.trans(k0), DT), _mm(k3, tl.trans(k1), DT), _mm(k3, tl.trans(k2), DT),
+            _mm(k3, tl.trans(k3), DT))
     blocks = (rows0, ok0, rows1, ok1, rows2, ok2, rows3, ok3, head, HV)
-    _store_inverse(*gram, strength_ptr, X_ptr, *blocks, BC, BLOCK, DT)
     if RESIDUAL:
-        _store_inverse(*gram, residual_strength_ptr, X_residual_ptr, *blocks, BC, BLOCK, DT)
+        _store_lower(*_decayed_blocks(*gram, Gp0, Gp1, Gp2, Gp3, G0, G1, G2, G3, BLOCK), P_ptr, *blocks, BC, BLOCK)
+    if DELTA:
+        A = _decayed_blocks(*gram, G0, G1, G2, G3, G0, G1, G2, G3, BLOCK)
+        _store_inverse(*A, strength_ptr, X_ptr, *blocks, BC, BLOCK, DT)
+        if RESIDUAL:
+            _store_inverse(*A, residual_strength_ptr, X_residual_ptr, *blocks, BC, BLOCK, DT)
 
 
 @triton.jit
-def _load_inverse(X_ptr, rows, row_ok, head, HV, BC: tl.constexpr):
+def _load_lower(ptr, rows, row_ok, head, HV, BC: tl.constexpr):
+    """A chunk's [BC, BC] matrix written by `_store_lower`, zeros above the diagonal."""
     r = tl.arange(0, BC)
-    return tl.where(r[:, None] >= r[None, :], _load_rows(X_ptr, rows, row_ok, head, HV, r, BC), 0.0)
+    return tl.where(r[:, None] >= r[None, :], _load_rows(ptr, rows, row_ok, head, HV, r, BC), 0.0)
 
 
 @triton.jit
@@ -312,14 +341,21 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X
     kcols, vcols = tl.arange(0, BK), tl.arange(0, BV)
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV)
-    X = _load_inverse(X_ptr, rows, row_ok, head, HV, BC)
+    X = _load_lower(X_ptr, rows, row_ok, head, HV, BC)
     _store_rows(W_ptr, rows, row_ok, head, HV, kcols, DK, _mm(X, (strength * decay)[:, None] * k, DT))
     _store_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV, _mm(X, strength[:, None] * v, DT))
     if RESIDUAL:
         residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
-        X = _load_inverse(X_residual_ptr, rows, row_ok, head, HV, BC)
+        X = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
         _store_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK,
                     _mm(X, (residual_strength * decay)[:, None] * k, DT))
+
+
+@triton.jit
+def _pred(k, h, U, P, G_prev, DT: tl.constexpr):
+    """pred_t = S_{t-1}^T k_t for a chunk's rows: decay e^(G_{t-1} - G_j), never divided by a_t,
+    so the chunk-start state h reaches row t as e^(G_prev_t) and earlier rows' writes U through P."""
+    return tl.exp(G_prev)[:, None] * _mm(k, h, DT) + _mm(P, U, DT)
 
 
 @triton.jit
@@ -332,15 +368,16 @@ def _state_tile(seq_head, kcols, vcols, DK, DV):
 
 @triton.jit
 def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr,
-                        X_residual_ptr, W_residual_ptr, U_residual_ptr, h_residual_ptr, S_ptr, R_ptr,
-                        cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
-                        RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
+                        X_residual_ptr, W_residual_ptr, P_ptr, U_residual_ptr, h_residual_ptr, S_ptr, R_ptr,
+                        z_ptr, cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV,
+                        BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                        DELTA: tl.constexpr, RESIDUAL: tl.constexpr, STORE_Z: tl.constexpr, VARLEN: tl.constexpr):
     """Chunk after chunk of one (sequence, value head, value tile): stores the chunk-start states
     h (and h of R) and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed where
     read), then S = e^(G_last) h + (e^(G_last - G) K)^T U. With the residual state it also forms
-    pred_t = S_{t-1}^T k_t, the clipped residual r, R's writes U0 - W h_R with U0 = X diag(b) r
-    (every step is column-separable: the value tile never needs the others), and advances R."""
+    pred_t = S_{t-1}^T k_t, z = v - pred (stored for the backward when STORE_Z), the clipped
+    residual r, R's writes U0 - W h_R with U0 = X diag(b) r (every step is column-separable: the
+    value tile never needs the others), and advances R."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -351,7 +388,6 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr
     if RESIDUAL:
         R = tl.load(R_ptr + state_offsets, mask=tile_ok, other=0.0)
     r = tl.arange(0, BC)
-    strictly_below = r[:, None] > r[None, :]
     for start in range(bos, eos, BC):
         h_offsets = (chunk * HV + head) * DK * DV + tile
         tl.store(h_ptr + h_offsets, S.to(DT), mask=tile_ok)
@@ -371,14 +407,13 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr
         k_to_chunk_end = tl.trans(tl.exp(G_last - G)[:, None] * k)
         if RESIDUAL:
             tl.store(h_residual_ptr + h_offsets, R.to(DT), mask=tile_ok)
-            # pred_t = S_{t-1}^T k_t: decay e^(G_{t-1} - G_j), computed directly, never divided by a_t.
-            G_prev = G - g
-            attend = tl.exp(tl.where(strictly_below, G_prev[:, None] - G[None, :], float("-inf")))
-            pred = tl.exp(G_prev)[:, None] * _mm(k, S, DT) + _mm(attend * _mm(k, tl.trans(k), DT), U, DT)
-            residual = tl.minimum(tl.maximum(v - pred, -clip), clip)
+            z = v - _pred(k, S, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), G - g, DT)
+            if STORE_Z:
+                _store_rows(z_ptr, rows, row_ok, head, HV, vcols, DV, z)
+            residual = tl.minimum(tl.maximum(z, -clip), clip)
             U_residual = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
             if DELTA:
-                X = _load_inverse(X_residual_ptr, rows, row_ok, head, HV, BC)
+                X = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
                 W = _load_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK)
                 U_residual = _mm(X, U_residual, DT) - _mm(W, R, DT)
             _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, U_residual)
@@ -388,6 +423,14 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr
     tl.store(S_ptr + state_offsets, S, mask=tile_ok)
     if RESIDUAL:
         tl.store(R_ptr + state_offsets, R, mask=tile_ok)
+
+
+@triton.jit
+def _causal_attend(q, k, G, BC: tl.constexpr, DT: tl.constexpr):
+    """mask(Q K^T) e^(G_i - G_j), the diagonal included: how a chunk's rows read its own writes."""
+    r = tl.arange(0, BC)
+    return tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf"))) * \
+        _mm(q, tl.trans(k), DT)
 
 
 @triton.jit
@@ -416,11 +459,10 @@ def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr,
     else:
         U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
             _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-    r = tl.arange(0, BC)
-    attend = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf"))) * \
-        _mm(q, tl.trans(k), DT)
+    attend = _causal_attend(q, k, G, BC, DT)
     q_decayed = tl.exp(G)[:, None]
     if RESIDUAL:
+        r = tl.arange(0, BC)
         o = q_decayed * _mm(q, h, DT) + _mm(tl.where(r[:, None] > r[None, :], attend, 0.0), U, DT)
         gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
         U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV)
@@ -472,7 +514,8 @@ class _ChunkRun:
     (of S, and of R with the residual state). The backward builds it again (recomputing is
     cheaper than keeping h) and reads it."""
 
-    def __init__(self, q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size):
+    def __init__(self, q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
+                 store_z=False):
         B, T, H, Dk = q.shape
         HV, Dv = v.shape[2:]
         L = B * T
@@ -489,8 +532,11 @@ class _ChunkRun:
         self.h = empty(layout.num_chunks, HV, Dk, Dv)
         self.h_residual, self.U_residual = ((empty(layout.num_chunks, HV, Dk, Dv), empty(L, HV, Dv))
                                             if residual else (self.h, v))
+        # z = v - pred in fp32, for the backward (its clip decisions are the forward's own).
+        store_z = store_z and residual
+        self.z = torch.empty(L, HV, Dv, device=q.device, dtype=torch.float32) if store_z else v
         # Unused pointers point at a real tensor; the kernels never read them.
-        self.X = self.X_residual = self.W = self.W_residual = U0 = self.U = v
+        self.X = self.X_residual = self.P = self.W = self.W_residual = U0 = self.U = v
         if not residual:
             self.gamma_write = beta
         self.tables = (layout.cu_seqlens, layout.chunk_seq, layout.chunk_offsets)
@@ -505,17 +551,21 @@ class _ChunkRun:
                                           empty(L, HV, Dv))
             if residual:
                 self.X_residual, self.W_residual = empty(L, HV, chunk_size), empty(L, HV, Dk)
-            _chunk_inverse_kernel[(layout.num_chunks, HV)](
-                k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, layout.T, layout.NT, HV,
-                HV // H, Dk, BLOCK=BLOCK, RESIDUAL=residual, **common, num_warps=2)
+        if residual:
+            self.P = empty(L, HV, chunk_size)
+        if delta or residual:
+            _chunk_gram_kernel[(layout.num_chunks, HV)](
+                k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, layout.T, layout.NT,
+                HV, HV // H, Dk, BLOCK=BLOCK, DELTA=delta, RESIDUAL=residual, **common, num_warps=2)
+        if delta:
             _chunk_wy_kernel[(layout.num_chunks, HV)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
                 **self.shape, BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
         _chunk_state_kernel[(_cdiv(Dv, self.state_tile()), layout.num_sequences * HV)](
-            k, v, g, beta, self.gamma_write, self.W, U0, self.U, self.h, self.X_residual, self.W_residual,
-            self.U_residual, self.h_residual, self.S, self.R, layout.cu_seqlens, layout.chunk_offsets, clip,
-            **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual, **common, num_warps=self.warps,
-            num_stages=self.stages)
+            k, v, g, beta, self.gamma_write, self.W, U0, self.U, self.h, self.X_residual, self.W_residual, self.P,
+            self.U_residual, self.h_residual, self.S, self.R, self.z, layout.cu_seqlens, layout.chunk_offsets, clip,
+            **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual, STORE_Z=store_z, **common,
+            num_warps=self.warps, num_stages=self.stages)
 
     def state_tile(self):
         """Value columns a program of the sequential kernels owns: few sequence-heads leave SMs
@@ -544,14 +594,17 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
 
 
 # ---------------------------------------------------------------------------------------------
-# Chunked backward, every rule. With dO and the gradient dh' of a chunk's end state (the next
-# chunk's start), the forward's pieces give, chunk after chunk backwards
-# (_chunk_state_backward_kernel, one value tile a program like the forward's state kernel):
-#   dU = e^(G_last - G) K dh' + scale * P^T dO,   P = mask(Q K^T) e^(G_i - G_j),
+# Chunked backward, every rule. The forward runs again (recomputing is cheaper than keeping h),
+# storing z = v - pred for the residual rules. With dO and the gradient dh' of a chunk's end
+# state (the next chunk's start):
+#   dU = scale * A^T dO + e^(G_last - G) K dh',   A = mask(Q K^T) e^(G_i - G_j),
 #   dh = e^(G_last) dh' + scale * (e^G Q)^T dO - W^T dU   (no W term for the additive rule).
-# The residual rules run this for R with gamma dO and the inclusive mask, then through R's
-# writes U0_R = X_R diag(b_R) r and the clip (zero gradient where clipped) into
-# pred = e^(G_prev) K h + strictly_lower(e^(G_prev_i - G_j) K K^T) U, whose gradient joins S's.
+# Its first term needs no state: every chunk at once (_chunk_local_grad_kernel). The rest runs
+# chunk after chunk backwards (_chunk_state_backward_kernel, one value tile a program like the
+# forward's state kernel). The residual rules run this for R with gamma dO and the inclusive
+# mask, then through R's writes U0_R = X_R diag(b_R) r and the clip (zero gradient where z was
+# clipped) into pred = e^(G_prev) K h + P U, P = strictly_lower(e^(G_prev_i - G_j) K K^T), whose
+# gradient joins S's (A is then strictly lower: the base read is exclusive).
 # Then every chunk at once (_chunk_grad_kernel): dq, dk, dv, the gates' gradients, through
 # U = U0 - W h with W = X diag(b e^G) K, U0 = X diag(b) V and X = (I + A)^-1
 # (dA = -X^T dX X^T, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T)). Every dependence on the
@@ -560,26 +613,43 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _pred(k, h, U, G, g, DT: tl.constexpr, BC: tl.constexpr):
-    """pred_t = S_{t-1}^T k_t of a chunk (decay e^(G_{t-1} - G_j), never divided by a_t), and the
-    strictly lower e^(G_prev_i - G_j) K K^T it reads U with."""
-    r = tl.arange(0, BC)
-    G_prev = G - g
-    attend = tl.exp(tl.where(r[:, None] > r[None, :], G_prev[:, None] - G[None, :], float("-inf"))) * \
-        _mm(k, tl.trans(k), DT)
-    return tl.exp(G_prev)[:, None] * _mm(k, h, DT) + _mm(attend, U, DT), attend
+def _chunk_local_grad_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, do_ptr, dU_ptr, dU_residual_ptr, cu_seqlens_ptr,
+                             chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
+                             BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, RESIDUAL: tl.constexpr,
+                             VARLEN: tl.constexpr):
+    """Every chunk at once: the part of dU that a chunk's own outputs give, scale * P^T dO with
+    P = mask(Q K^T) e^(G_i - G_j) (strictly lower for the residual rules' exclusive base read),
+    and R's, scale * P^T diag(gamma) dO. The reverse state kernel adds what flows through the
+    states; computed here, no Q K^T is formed in its sequential loop."""
+    value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    rows = start + tl.arange(0, BC)
+    row_ok = rows < end
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
+    do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+    attend_t = tl.trans(_causal_attend(q, k, G, BC, DT))
+    if RESIDUAL:
+        gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
+        _store_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV, scale * _mm(attend_t, gamma[:, None] * do, DT))
+        r = tl.arange(0, BC)
+        attend_t = tl.where(r[:, None] < r[None, :], attend_t, 0.0)
+    _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, scale * _mm(attend_t, do, DT))
 
 
 @triton.jit
-def _chunk_state_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, residual_strength_ptr,
-                                 W_ptr, U_ptr, h_ptr, X_residual_ptr, W_residual_ptr, do_ptr, dS_ptr, dR_ptr,
-                                 dh_next_ptr, dU_ptr, dh_next_residual_ptr, dU_residual_ptr, residual_ptr, dz_ptr,
-                                 cu_seqlens_ptr, chunk_offsets_ptr, scale, clip, T, NT, HV, GROUP, DK, DV,
-                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-                                 DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
-    """dS_ptr (dR_ptr) hold the final states' gradients on entry and the initial states' on exit.
-    Stores dh' and dU of every chunk (of both states), and for the residual rules the clipped
-    residual r and dz, the gradient of v - pred."""
+def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, residual_strength_ptr, W_ptr, X_residual_ptr,
+                                 W_residual_ptr, P_ptr, z_ptr, do_ptr, dS_ptr, dR_ptr, dh_next_ptr, dU_ptr,
+                                 dh_next_residual_ptr, dU_residual_ptr, dz_ptr, cu_seqlens_ptr, chunk_offsets_ptr,
+                                 scale, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
+                                 BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr,
+                                 VARLEN: tl.constexpr):
+    """dS_ptr (dR_ptr) hold the final states' gradients on entry and the initial states' on exit;
+    dU_ptr (dU_residual_ptr) hold the chunks' own parts of dU on entry (`_chunk_local_grad_kernel`)
+    and the whole dU on exit. Stores dh' of every chunk (of both states), and for the residual
+    rules dz, the gradient of z = v - pred (zero where the forward clipped)."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, first_chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -601,43 +671,33 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma
         G = tl.cumsum(g, axis=0)
         G_last = tl.sum(g, axis=0)
         to_chunk_end = tl.exp(G_last - G)[:, None]
-        q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+        q_decayed_t = tl.trans(tl.exp(G)[:, None] * _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP,
+                                                                kcols, DK))
         k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        q_decayed_t = tl.trans(tl.exp(G)[:, None] * q)
-        attend = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf"))) * \
-            _mm(q, tl.trans(k), DT)
+        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) + to_chunk_end * _mm(k, dh, DT)
         if RESIDUAL:
             tl.store(dh_next_residual_ptr + h_offsets, dh_residual, mask=tile_ok)
-            do_residual = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
-            dU_residual = to_chunk_end * _mm(k, dh_residual, DT) + scale * _mm(tl.trans(attend), do_residual, DT)
+            dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV) + \
+                to_chunk_end * _mm(k, dh_residual, DT)
             _store_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV, dU_residual)
+            do_residual = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
             dh_residual = tl.exp(G_last) * dh_residual + scale * _mm(q_decayed_t, do_residual, DT)
             dr = dU_residual
             if DELTA:
                 W = _load_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK)
                 dh_residual -= _mm(tl.trans(W), dU_residual, DT)
-                dr = _mm(tl.trans(_load_inverse(X_residual_ptr, rows, row_ok, head, HV, BC)), dU_residual, DT)
+                dr = _mm(tl.trans(_load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)), dU_residual, DT)
             dr = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * dr
-            # The forward's pred and clip, again: the clip passes gradient only where it did not clip.
-            v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
-            if DELTA:
-                U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
-            else:
-                U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
-            pred, pred_attend = _pred(k, h, U, G, g, DT, BC)
-            z = v - pred
-            _store_rows(residual_ptr, rows, row_ok, head, HV, vcols, DV, tl.minimum(tl.maximum(z, -clip), clip))
+            # The clip passes gradient only where it did not clip; pred = e^(G_prev) K h + P U
+            # then reads U and h with gradient -dz.
+            z = _load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV)
             dz = tl.where((z >= -clip) & (z <= clip), dr, 0.0)
             _store_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV, dz)
-            # The base read is exclusive; pred reads U and h too, with gradient -dz.
-            dU = to_chunk_end * _mm(k, dh, DT) + scale * _mm(tl.trans(tl.where(r[:, None] > r[None, :], attend, 0.0)),
-                                                              do, DT) - _mm(tl.trans(pred_attend), dz, DT)
+            dU -= _mm(tl.trans(_load_lower(P_ptr, rows, row_ok, head, HV, BC)), dz, DT)
             dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT) - \
                 _mm(tl.trans(tl.exp(G - g)[:, None] * k), dz, DT)
         else:
-            dU = to_chunk_end * _mm(k, dh, DT) + scale * _mm(tl.trans(attend), do, DT)
             dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT)
         _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
         if DELTA:
@@ -670,9 +730,9 @@ def _wy_backward(X, dX, dW, k, gram, decay_strict, G, strength, DT: tl.constexpr
 @triton.jit
 def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, residual_strength_ptr, X_ptr, U_ptr,
                        h_ptr, X_residual_ptr, U_residual_ptr, h_residual_ptr, do_ptr, dh_next_ptr, dU_ptr,
-                       dh_next_residual_ptr, dU_residual_ptr, residual_ptr, dz_ptr,
+                       dh_next_residual_ptr, dU_residual_ptr, z_ptr, dz_ptr,
                        dq_ptr, dk_ptr, dv_ptr, dg_ptr, dstrength_ptr, dgamma_ptr, dresidual_strength_ptr,
-                       cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV,
+                       cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, clip, T, NT, HV, GROUP, DK, DV,
                        BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                        DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk and value head: dq, dk (per value head; the caller sums a key head's group),
@@ -690,11 +750,11 @@ def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, resi
     G = tl.cumsum(g, axis=0)
     G_last = tl.sum(g, axis=0)
     if DELTA:
-        X = _load_inverse(X_ptr, rows, row_ok, head, HV, BC).to(tl.float32)
+        X = _load_lower(X_ptr, rows, row_ok, head, HV, BC).to(tl.float32)
     if RESIDUAL:
         residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
         if DELTA:
-            X_residual = _load_inverse(X_residual_ptr, rows, row_ok, head, HV, BC).to(tl.float32)
+            X_residual = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC).to(tl.float32)
     zeros_k, zeros_c = tl.zeros([BC, BK], dtype=tl.float32), tl.zeros([BC, BC], dtype=tl.float32)
     dq_inter, dq_inter_residual = zeros_k, zeros_k  # scale e^G dO h^T, of S and of R
     dP, dP_residual = zeros_c, zeros_c              # scale dO U^T, of S and of R
@@ -731,7 +791,7 @@ def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, resi
             dh_next = tl.load(dh_next_residual_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
             U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
             dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            residual = _load_rows(residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+            residual = tl.minimum(tl.maximum(_load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV), -clip), clip)
             dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
             dv += dz
             dk_pred -= _mm(dz, tl.trans(tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)), DT)
@@ -808,7 +868,8 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     L = B * T
-    run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size)
+    run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
+                    store_z=True)
     layout, residual = run.layout, run.residual
     do = do.reshape(L, HV, Dv).contiguous()
     start_grad = lambda d, like: torch.zeros_like(like) if d is None else \
@@ -818,23 +879,27 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     f32 = dict(device=q.device, dtype=torch.float32)
     dh_next = torch.empty(layout.num_chunks, HV, Dk, Dv, **f32)
     dU = torch.empty(L, HV, Dv, **f32)
-    dh_next_residual, dU_residual, residual_values, dz = (
-        (torch.empty_like(dh_next), torch.empty_like(dU), torch.empty_like(dU), torch.empty_like(dU))
-        if residual else (dh_next, dU, dU, dU))
-    gates = (run.beta, run.gamma if residual else run.g, run.gamma_write)
-    common = dict(BC=chunk_size, BK=run.BK, DT=run.DT, DELTA=run.delta, RESIDUAL=residual, VARLEN=layout.varlen)
+    dh_next_residual, dU_residual, dz = ((torch.empty_like(dh_next), torch.empty_like(dU), torch.empty_like(dU))
+                                         if residual else (dh_next, dU, dU))
+    read_gate = run.gamma if residual else run.g  # gamma; never read without the residual state
+    gates = (run.beta, read_gate, run.gamma_write)
+    common = dict(BC=chunk_size, BK=run.BK, DT=run.DT, RESIDUAL=residual, VARLEN=layout.varlen)
+    BV = min(run.BV_full, 64)
+    _chunk_local_grad_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
+        run.q, run.k, run.g, read_gate, do, dU, dU_residual, *run.tables, scale, **run.shape, BV=BV, **common,
+        num_warps=run.warps)
+    common["DELTA"] = run.delta
     _chunk_state_backward_kernel[(_cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
-        run.q, run.k, run.v, run.g, *gates, run.W, run.U, run.h, run.X_residual, run.W_residual, do, dS0, dR0,
-        dh_next, dU, dh_next_residual, dU_residual, residual_values, dz, layout.cu_seqlens, layout.chunk_offsets,
-        scale, clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps,
-        num_stages=run.backward_stages)
+        run.q, run.k, run.g, read_gate, run.gamma_write, run.W, run.X_residual, run.W_residual, run.P, run.z, do,
+        dS0, dR0, dh_next, dU, dh_next_residual, dU_residual, dz, layout.cu_seqlens, layout.chunk_offsets, scale,
+        clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps, num_stages=run.backward_stages)
     dq, dk = torch.empty(L, HV, Dk, **f32), torch.empty(L, HV, Dk, **f32)
     dv, dg, dbeta = torch.empty(L, HV, Dv, **f32), torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)
     dgamma, dgamma_write = (torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)) if residual else (dg, dg)
     _chunk_grad_kernel[(layout.num_chunks, HV)](
         run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
-        do, dh_next, dU, dh_next_residual, dU_residual, residual_values, dz, dq, dk, dv, dg, dbeta, dgamma,
-        dgamma_write, *run.tables, scale, **run.shape, BV=min(run.BV_full, 64), **common,
+        do, dh_next, dU, dh_next_residual, dU_residual, run.z, dz, dq, dk, dv, dg, dbeta, dgamma,
+        dgamma_write, *run.tables, scale, clip, **run.shape, BV=BV, **common,
         # A dozen chunk-sized accumulators: more warps, fewer spilled registers. One stage: multi-
         # buffering the value loop's dozen loads needs more shared memory than an H200 has (400 KB).
         num_warps=8, num_stages=1)

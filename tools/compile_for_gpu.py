@@ -45,10 +45,13 @@ def launches(BK, BV_full, residual, fp32):
     state_tile = min(BV_full, 32 if residual else 64)
     stages, backward_stages = kernels.pipeline_stages(fp32, BK, residual)
     return [
-        (kernels._chunk_inverse_kernel, dict(BC=64, BLOCK=16, BK=BK), 2, 3),
+        (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK), 2, 3),
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
-        (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
+        # The forward's state kernel, and with the residual state its backward recompute (storing z).
+        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, STORE_Z=store_z), warps, stages)
+          for store_z in ((False, True) if residual else (False,))],
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
+        (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, backward_stages),
         (kernels._chunk_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), 8, 1),
     ]
@@ -113,10 +116,11 @@ def main():
                         params = inspect.signature(fn.fn).parameters
                         flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
-                        if not delta and fn in (kernels._chunk_inverse_kernel, kernels._chunk_wy_kernel):
-                            continue  # the additive rule has no T^-1
+                        if not delta and fn is kernels._chunk_wy_kernel or \
+                                not (delta or residual) and fn is kernels._chunk_gram_kernel:
+                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY
                         label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
-                                 f"{' residual' if residual else ''}")
+                                 f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}")
                         start = time.time()
                         try:
                             compiled = compile_variant(fn, constexprs, pointer_type, warps, stages, head_size)
