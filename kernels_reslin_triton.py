@@ -426,6 +426,22 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr
 
 
 @triton.jit
+def _chunk_queries_keys(q_ptr, k_ptr, g_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, value_tile, chunk, head,
+                        T, NT, HV, GROUP, DK, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        VARLEN: tl.constexpr):
+    """What the every-chunk-at-once kernels over a value tile start from: the chunk's rows (and
+    which are real), the tile's columns, the queries, keys and cumulative log decay G."""
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    rows = start + tl.arange(0, BC)
+    row_ok = rows < end
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
+    return rows, row_ok, kcols, vcols, q, k, G
+
+
+@triton.jit
 def _causal_attend(q, k, G, BC: tl.constexpr, DT: tl.constexpr):
     """mask(Q K^T) e^(G_i - G_j), the diagonal included: how a chunk's rows read its own writes."""
     r = tl.arange(0, BC)
@@ -442,13 +458,9 @@ def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr,
     state the base read is exclusive (a_t S_{t-1}^T q_t) and R's inclusive read, scaled by
     gamma, is added; both share Q K^T."""
     value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
-    rows = start + tl.arange(0, BC)
-    row_ok = rows < end
-    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
-    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-    G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
+    rows, row_ok, kcols, vcols, q, k, G = _chunk_queries_keys(
+        q_ptr, k_ptr, g_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, value_tile, chunk, head, T, NT, HV,
+        GROUP, DK, BC, BK, BV, VARLEN)
     h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
     # The chunk-start states are loaded first, so that their latency hides behind Q K^T.
     h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
@@ -617,18 +629,14 @@ def _chunk_local_grad_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, do_ptr, dU_ptr, dU_
                              chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
                              BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, RESIDUAL: tl.constexpr,
                              VARLEN: tl.constexpr):
-    """Every chunk at once: the part of dU that a chunk's own outputs give, scale * P^T dO with
-    P = mask(Q K^T) e^(G_i - G_j) (strictly lower for the residual rules' exclusive base read),
-    and R's, scale * P^T diag(gamma) dO. The reverse state kernel adds what flows through the
+    """Every chunk at once: the part of dU that a chunk's own outputs give, scale * A^T dO with
+    A = mask(Q K^T) e^(G_i - G_j) (strictly lower for the residual rules' exclusive base read),
+    and R's, scale * A^T diag(gamma) dO. The reverse state kernel adds what flows through the
     states; computed here, no Q K^T is formed in its sequential loop."""
     value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
-    rows = start + tl.arange(0, BC)
-    row_ok = rows < end
-    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
-    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-    G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
+    rows, row_ok, kcols, vcols, q, k, G = _chunk_queries_keys(
+        q_ptr, k_ptr, g_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, value_tile, chunk, head, T, NT, HV,
+        GROUP, DK, BC, BK, BV, VARLEN)
     do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
     attend_t = tl.trans(_causal_attend(q, k, G, BC, DT))
     if RESIDUAL:
