@@ -144,8 +144,9 @@ def logits_on_one_thread(model, input_ids):
 
 
 def test_ddp_matches_one_process(one_process, corpus, data_dir, tmp_path):
+    """DDP with activation checkpointing."""
     out_dir = tmp_path / "out"
-    metrics = launched_run("ddp.yaml", corpus, data_dir, out_dir, *CPU_RUN)
+    metrics = launched_run("ddp.yaml", corpus, data_dir, out_dir, *CPU_RUN, "--gradient-checkpointing")
     assert metrics["device"].startswith("2 processes, DDP")
     assert_same_run(metrics, one_process[1])
     assert_same_weights(out_dir, one_process[0])
@@ -233,14 +234,14 @@ def test_processes_share_each_batch_as_one_process_takes_it(corpus, data_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_ddp_and_fsdp2_on_two_gpus_match_one_gpu_in_bf16(corpus, data_dir, tmp_path):
-    """The same global batch on one GPU and on two, bf16 autocast and the Triton kernels: the first
-    20 losses and the validation figures agree within bf16 noise. The FSDP2 run's folder loads on
-    one GPU with exactly its in-memory logits, and on the CPU with them up to the backends' fp32
-    difference."""
+    """The same global batch on one GPU and on two (with activation checkpointing), bf16 autocast
+    and the Triton kernels: the first 20 losses and the validation figures agree within bf16 noise.
+    The FSDP2 run's folder loads on one GPU with exactly its in-memory logits, and on the CPU with
+    them up to the backends' fp32 difference."""
     runs = {}
-    for name, config, extra in (("one", None, ()), ("ddp", "ddp.yaml", ()),
-                                ("fsdp2", "fsdp2.yaml", ("--gradient-checkpointing",))):
-        runs[name] = launched_run(config, corpus, data_dir, tmp_path / name / "out", *GPU_RUN, *extra)
+    for name, config in (("one", None), ("ddp", "ddp.yaml"), ("fsdp2", "fsdp2.yaml")):
+        runs[name] = launched_run(config, corpus, data_dir, tmp_path / name / "out", *GPU_RUN,
+                                  *(("--gradient-checkpointing",) if config else ()))
     for name in ("ddp", "fsdp2"):
         assert runs[name]["device"].startswith(f"2 processes, {name.upper()}")
         assert runs[name]["precision"] == "bf16 autocast"
