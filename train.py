@@ -452,6 +452,9 @@ def load_checkpoint(path, args):
         fail(f"--resume: {path} is not a readable checkpoint ({type(error).__name__}: {error})")
     if not isinstance(checkpoint, dict) or not {"model", "optimizer", "rng", "step", "args"} <= checkpoint.keys():
         fail(f"--resume: {path} is not a train.py checkpoint")
+    if any(not isinstance(name, str) for name in checkpoint["optimizer"].get("state", {})):
+        fail(f"--resume: {path} comes from a train.py older than its multi-process version (its optimizer state "
+             f"is keyed by position, not by parameter name): continue that run with the train.py that started it")
     saved = checkpoint["args"]
     changed = [f"--{name.replace('_', '-')} {value} (checkpoint: {saved.get(name)})"
                for name, value in saved_args(args).items()
