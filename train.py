@@ -577,8 +577,11 @@ def start_accelerator(args):
     if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no":
         fail("train.py applies bf16 autocast itself (--precision): launch with accelerate's mixed_precision 'no', "
              "as the configs in accelerate_configs/ do")
-    # No device placement by accelerate: one process trains on --device, whichever GPU it names.
-    accelerator = Accelerator(cpu=torch.device(args.device).type == "cpu", mixed_precision="no",
+    # One process trains on --device, whichever GPU it names: no device placement by accelerate, and
+    # no cpu switch, which only picks gloo for several processes (and which accelerate refuses after
+    # a run on a GPU in the same Python process).
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = Accelerator(cpu=several and torch.device(args.device).type == "cpu", mixed_precision="no",
                               device_placement=False)
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not accelerator.is_fsdp2:
         fail(f"the accelerate config asks for FSDP, but accelerate set up {accelerator.distributed_type.value} here: "
