@@ -7,6 +7,7 @@ is column-separable, so the tiles never talk to each other and each state elemen
 written exactly once.
 """
 
+import functools
 import hashlib
 from typing import List, Optional, Tuple
 
@@ -33,6 +34,20 @@ def _cdiv(a, b):
 
 def _next_power_of_2(n):
     return 1 << (n - 1).bit_length()
+
+
+def _on_inputs_device(launcher):
+    """Run `launcher` with the CUDA device of its first argument current. Triton launches on the
+    current device, not on the tensors': the layers of a model split across GPUs (device_map)
+    would have their kernels refused, or run on the wrong GPU's stream. Triton's CPU interpreter
+    takes CPU tensors, which need no device."""
+    @functools.wraps(launcher)
+    def launch(q, *args, **kwargs):
+        if not q.is_cuda:
+            return launcher(q, *args, **kwargs)
+        with torch.cuda.device(q.device):
+            return launcher(q, *args, **kwargs)
+    return launch
 
 
 @triton.jit
@@ -81,6 +96,7 @@ def _decode_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, gamma_w
     tl.store(o_ptr + seq_head * DV + cols, (scale * o).to(o_ptr.dtype.element_ty), mask=col_ok)
 
 
+@_on_inputs_device
 def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale):
     """One token: q, k [N, 1, H, Dk]; v [N, 1, HV, Dv]; g, beta, gamma, gamma_write [N, 1, HV];
     S, R [N, HV, Dk, Dv] fp32 contiguous, advanced in place (R None without gamma).
@@ -597,6 +613,7 @@ class _ChunkRun:
         return o
 
 
+@_on_inputs_device
 def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
                   chunk_size=CHUNK_SIZE):
     """Forward of every rule over [B, T] or packed (cu_seqlens) sequences, the same contract as
@@ -868,6 +885,7 @@ def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, resi
     tl.store(dstrength_ptr + rows * HV + head, dstrength, mask=row_ok)
 
 
+@_on_inputs_device
 def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, do, dS, dR,
                    chunk_size=CHUNK_SIZE):
     """Gradients of chunk_forward, (dq, dk, dv, dg, dbeta, dgamma, dgamma_write, dS0, dR0) (None

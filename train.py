@@ -4,6 +4,12 @@
     python train.py --out-dir out/rdn --attn-type rdn --max-steps 3000 --resume   # continue it after a stop
     python train.py --out-dir out/rdn --time-budget 20                            # train for 20 minutes
 
+On several GPUs of one machine (section 6), with DDP or FSDP2:
+
+    accelerate launch --config_file accelerate_configs/ddp.yaml train.py --out-dir out/rdn --max-steps 3000
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml train.py --out-dir out/rdn --max-steps 3000
+    torchrun --nproc-per-node 2 train.py --out-dir out/rdn --max-steps 3000       # DDP
+
 1. Data. Every file matching --pattern under --corpus is a document. Files go to the train or the
    validation split by a hash of their path (not by the seed, nor by the order files are found in).
    A byte-level BPE tokenizer is trained on the train split, and both splits are tokenized, each
@@ -28,9 +34,23 @@
    AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True) and AutoTokenizer: weights,
    config.json with auto_map, generation_config.json, the tokenizer, the model's .py files, a model
    card (README.md) and metrics.json (losses over steps, validation figures).
+6. Several processes (accelerate launch or torchrun; the configs in accelerate_configs/ start 2).
+   --batch-size stays the global batch: of N processes, process r takes the r-th run of
+   --batch-size / N consecutive rows of the rows one process would take (N must divide
+   --batch-size), so a step sees the same data whatever N. The loss is the mean over all the
+   batch's predicted tokens: each process divides the sum over its own tokens by the whole batch's
+   count (not by its own: document starts leave processes with different counts), so that the
+   gradients, averaged over the processes, are one process's. FSDP2 shards each ResLinBlock (the
+   model's _no_split_modules) and keeps fp32 weights and fp32 gradient reduction under the same bf16
+   autocast as one GPU; --gradient-checkpointing works under both. Validation rows are split the same
+   way and the sums reduced over the processes. Only the main process logs and writes. Checkpoints
+   hold the full weights and optimizer state (gathered from FSDP's shards) in the same file whatever N:
+   --resume continues exactly under the same launch, and also with another number of processes
+   (then equal up to the order of floating-point sums). The model folder holds full weights.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -47,7 +67,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, broadcast
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
@@ -105,7 +128,8 @@ def parse_args(argv=None):
     training.add_argument("--time-budget", type=float, default=None, help="minutes of training, evaluations included")
     training.add_argument("--seed", type=int, default=0)
     training.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    training.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    training.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                          help="one process: any device; several: cuda (each takes its LOCAL_RANK's GPU) or cpu")
     training.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
                           help="auto: bf16 autocast on CUDA, fp32 elsewhere")
 
@@ -277,14 +301,18 @@ def packed_batch(rows, device):
 
 class TrainBatches:
     """Batch `step` of a run: rows taken in an order drawn afresh each epoch from the seed. A pure
-    function of the step, so a checkpoint's step is also its position in the data."""
+    function of the step, so a checkpoint's step is also its position in the data, whatever the
+    number of processes. Of `num_processes`, process `rank` takes the rank-th run of
+    batch_size / num_processes consecutive rows."""
 
-    def __init__(self, stream, seq_len, batch_size, seed, device):
+    def __init__(self, stream, seq_len, batch_size, seed, device, rank=0, num_processes=1):
         num_rows = len(stream) // seq_len
         if num_rows == 0:
             fail(f"the train split has {len(stream)} tokens, fewer than --seq-len {seq_len}")
         self.rows = stream[:num_rows * seq_len].reshape(num_rows, seq_len)
         self.batch_size, self.seed, self.device = batch_size, seed, device
+        share = batch_size // num_processes * seq_len  # tokens: every row is seq_len long
+        self.share = slice(rank * share, (rank + 1) * share)
         self.epoch = self.permutation = None
 
     def order(self, epoch):
@@ -293,17 +321,29 @@ class TrainBatches:
         return self.permutation
 
     def __call__(self, step):
+        """This process's share of batch `step`, and the number of tokens the whole batch predicts
+        (each process holds the whole stream, so it counts them without asking the others)."""
         positions = range(step * self.batch_size, (step + 1) * self.batch_size)
         rows = [self.rows[self.order(epoch)[i]] for epoch, i in (divmod(p, len(self.rows)) for p in positions)]
-        return packed_batch(rows, self.device)
+        batch = packed_batch(rows, torch.device("cpu"))
+        num_predicted = int((batch["labels"] != -100).sum())
+        return {name: tensor[:, self.share].to(self.device) for name, tensor in batch.items()}, num_predicted
 
 
-def validation_batches(stream, seq_len, batch_size, max_tokens, device):
+def validation_batches(stream, seq_len, batch_size, max_tokens, device, rank=0, num_processes=1):
     """The validation stream in order, cut into rows of seq_len (the last one shorter), batch_size
-    rows a batch; only the first rows holding max_tokens tokens when max_tokens > 0."""
+    rows a batch; only the first rows holding max_tokens tokens when max_tokens > 0. Of
+    `num_processes`, process `rank` takes its share of each batch's rows as in training. A process
+    left without rows (the last batch can be short) gets the batch's first token, which predicts
+    nothing: every process runs the same number of forwards, as FSDP's weight gathering needs."""
     end = min(len(stream), max_tokens) if max_tokens else len(stream)
     rows = [stream[i:i + seq_len] for i in range(0, end, seq_len)]
-    return [packed_batch(rows[i:i + batch_size], device) for i in range(0, len(rows), batch_size)]
+    share = batch_size // num_processes
+    batches = []
+    for i in range(0, len(rows), batch_size):
+        own_rows = rows[i:i + batch_size][rank * share:(rank + 1) * share]
+        batches.append(packed_batch(own_rows or [rows[i][:1]], device))
+    return batches
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,18 +394,23 @@ def run_progress(args, step, seconds):
 
 
 @torch.no_grad()
-def evaluate(model, batches, token_bytes, autocast):
-    """Validation loss (nats per predicted token) and bits per byte over `batches`."""
+def evaluate(model, batches, token_bytes, autocast, accelerator):
+    """Validation loss (nats per predicted token) and bits per byte over `batches`, this process's
+    share of them, summed over all processes."""
     model.eval()
     nats, tokens, num_bytes = 0.0, 0, 0
     for batch in batches:
         with autocast:
             loss = model(**batch, use_cache=False).loss
         targets = batch["labels"][batch["labels"] != -100].cpu().numpy()
-        nats += loss.item() * len(targets)
+        if len(targets):  # the loss of a batch that predicts nothing is NaN
+            nats += loss.item() * len(targets)
         tokens += len(targets)
         num_bytes += int(token_bytes[targets].sum())
     model.train()
+    sums = torch.tensor([nats, tokens, num_bytes], dtype=torch.float64, device=batch["input_ids"].device)
+    nats, tokens, num_bytes = accelerator.reduce(sums, "sum").tolist()
+    tokens, num_bytes = int(tokens), int(num_bytes)
     return {"loss": nats / tokens, "bits_per_byte": nats / math.log(2) / num_bytes, "tokens": tokens,
             "bytes": num_bytes}
 
@@ -374,13 +419,27 @@ def evaluate(model, batches, token_bytes, autocast):
 # Checkpoints and output
 
 
-def save_checkpoint(path, model, optimizer, state):
+def full_training_state(model, optimizer):
+    """(weights, optimizer state), whole and on the CPU of the main process (empty elsewhere); the
+    optimizer's state is keyed by parameter name. Every process must call it: FSDP gathers its
+    shards. The same for one process, DDP and FSDP, so a checkpoint resumes under any of them."""
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_training_state(model, optimizer, checkpoint):
+    """The inverse of full_training_state, in every process from the whole checkpoint (FSDP keeps
+    each process's shard of it)."""
+    set_state_dict(model, optimizer, model_state_dict=checkpoint["model"], optim_state_dict=checkpoint["optimizer"],
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def save_checkpoint(path, model_state, optimizer_state, state):
     """The whole training state; written to a temporary file and renamed, so a stop while
     writing leaves the previous checkpoint whole."""
     rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     temporary = path.with_name(path.name + ".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng, **state}, temporary)
+    torch.save({"model": model_state, "optimizer": optimizer_state, "rng": rng, **state}, temporary)
     os.replace(temporary, path)
 
 
@@ -393,6 +452,9 @@ def load_checkpoint(path, args):
         fail(f"--resume: {path} is not a readable checkpoint ({type(error).__name__}: {error})")
     if not isinstance(checkpoint, dict) or not {"model", "optimizer", "rng", "step", "args"} <= checkpoint.keys():
         fail(f"--resume: {path} is not a train.py checkpoint")
+    if any(not isinstance(name, str) for name in checkpoint["optimizer"].get("state", {})):
+        fail(f"--resume: {path} comes from a train.py older than its multi-process version (its optimizer state "
+             f"is keyed by position, not by parameter name): continue that run with the train.py that started it")
     saved = checkpoint["args"]
     changed = [f"--{name.replace('_', '-')} {value} (checkpoint: {saved.get(name)})"
                for name, value in saved_args(args).items()
@@ -413,16 +475,23 @@ def write_json(path, data):
     os.replace(temporary, path)
 
 
-def device_description(device):
+def device_description(device, accelerator):
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, torch threads: {torch.get_num_threads()})"
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"CPU ({platform.processor() or platform.machine()}, torch threads: {torch.get_num_threads()})"
+    if accelerator.num_processes == 1:
+        return name
+    return f"{accelerator.num_processes} processes, {parallelism(accelerator)}, each on {name}"
 
 
-def model_card(args, model, metrics):
+def parallelism(accelerator):
+    return "FSDP2" if accelerator.distributed_type == DistributedType.FSDP else "DDP"
+
+
+def model_card(args, config, metrics):
     meta, final = metrics["data"], metrics["final_validation"]
     train, validation = meta["splits"]["train"], meta["splits"]["validation"]
-    config = model.config
     commands = "\n".join(metrics["commands"])
     return f"""---
 library_name: transformers
@@ -484,39 +553,83 @@ Loss and validation curves are in `metrics.json`.
 """
 
 
-def save_model_folder(out_dir, model, tokenizer, args, metrics):
-    """A folder that loads through the Auto classes: save_pretrained writes the weights, the
-    config with auto_map, the generation config and the model's .py files."""
-    model.save_pretrained(out_dir)
+def save_model_folder(out_dir, model_class, config, model_state, tokenizer, args, metrics):
+    """A folder that loads through the Auto classes: save_pretrained writes the weights
+    (`model_state`, whole), the config with auto_map, the generation config and the model's .py
+    files. It saves through a weightless model of the trained one's class: FSDP2 gives the trained
+    model a class of its own, whose torch module save_pretrained would copy in place of ours."""
+    with torch.device("meta"):
+        model = model_class(config)
+    # A tied weight is in model_state under each of its names; FSDP gathers them into separate
+    # tensors, which save_pretrained (it drops names of tensors that share memory) would all keep.
+    own_names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    model.save_pretrained(out_dir, state_dict={name: value for name, value in model_state.items() if name in own_names})
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "README.md").write_text(model_card(args, model, metrics))
+    (out_dir / "README.md").write_text(model_card(args, config, metrics))
 
 
 # ---------------------------------------------------------------------------------------------
 
 
+def start_accelerator(args):
+    """This process's Accelerator: alone, or one of several started by accelerate launch or torchrun
+    (DDP, or FSDP2 from the accelerate config)."""
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no":
+        fail("train.py applies bf16 autocast itself (--precision): launch with accelerate's mixed_precision 'no', "
+             "as the configs in accelerate_configs/ do")
+    # One process trains on --device, whichever GPU it names: no device placement by accelerate, and
+    # no cpu switch, which only picks gloo for several processes (and which accelerate refuses after
+    # a run on a GPU in the same Python process).
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = Accelerator(cpu=several and torch.device(args.device).type == "cpu", mixed_precision="no",
+                              device_placement=False)
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not accelerator.is_fsdp2:
+        fail(f"the accelerate config asks for FSDP, but accelerate set up {accelerator.distributed_type.value} here: "
+             f"train.py takes FSDP2 (fsdp_version: 2), which accelerate runs on GPUs only (on CPUs it would "
+             f"silently train with DDP)")
+    if accelerator.num_processes > 1 and torch.device(args.device).index is not None:
+        fail(f"--device {args.device}: each of several processes takes the GPU of its LOCAL_RANK; pass --device cuda")
+    if args.batch_size % accelerator.num_processes:
+        fail(f"--batch-size {args.batch_size} is the global batch, split evenly across the processes: it must be a "
+             f"multiple of the number of processes, {accelerator.num_processes}")
+    return accelerator
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    accelerator = start_accelerator(args)
+    # Every process runs the whole loop; the main one reports, the others would repeat its lines.
+    with open(os.devnull, "w") as sink:
+        with contextlib.redirect_stdout(sys.stdout if accelerator.is_main_process else sink):
+            return train(args, argv, accelerator)
+
+
+def train(args, argv, accelerator):
     checkpoint_path = args.out_dir / CHECKPOINT
     checkpoint = load_checkpoint(checkpoint_path, args) if args.resume else None
     if checkpoint is None and checkpoint_path.exists():
         fail(f"{args.out_dir} already holds a run ({CHECKPOINT}): pass --resume to continue it, or choose "
              f"another --out-dir")
-    device = torch.device(args.device)
+    rank, num_processes = accelerator.process_index, accelerator.num_processes
+    device = accelerator.device if num_processes > 1 else torch.device(args.device)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
-    tokenizer, streams, meta = prepare_data(args)
+    # The main process first: it builds the data cache and copies the model's code into the
+    # remote-code module cache, then the others read them.
+    with accelerator.main_process_first():
+        tokenizer, streams, meta = prepare_data(args)
+        model = build_model(args, len(tokenizer)).to(device)
     for split, figures in meta["splits"].items():
         print(f"data: {split}: {figures['files']} files, {figures['bytes']:,} bytes, {figures['tokens']:,} tokens "
               f"({figures['bytes'] / figures['tokens']:.2f} bytes per token)")
     token_bytes = token_byte_lengths(tokenizer)
-    train_batches = TrainBatches(streams["train"], args.seq_len, args.batch_size, args.seed, device)
+    train_batches = TrainBatches(streams["train"], args.seq_len, args.batch_size, args.seed, device, rank,
+                                 num_processes)
     validation_subset = validation_batches(streams["validation"], args.seq_len, args.batch_size, args.eval_tokens,
-                                           device)
+                                           device, rank, num_processes)
 
-    model = build_model(args, len(tokenizer)).to(device)
     if args.gradient_checkpointing:
         # transformers 5.24 deprecates gradient_checkpointing_enable for activation_checkpointing_enable:
         # take whichever this version has.
@@ -524,17 +637,22 @@ def main(argv=None):
     model.train()
     optimizer = build_optimizer(model, args, device)
     parameters = sum(p.numel() for p in model.parameters())
+    model_class = type(model)
+    # DDP wraps the model, FSDP2 shards it in place (each ResLinBlock a unit); both with the optimizer.
+    model, optimizer = accelerator.prepare(model, optimizer)
     print(f"model: {args.attn_type}, {parameters:,} parameters ({parameters / 1e6:.1f}M), "
-          f"{args.batch_size * args.seq_len:,} tokens per step, {'bf16 autocast' if bf16 else 'fp32'} on {device}")
+          f"{args.batch_size * args.seq_len:,} tokens per step, {'bf16 autocast' if bf16 else 'fp32'} on {device}"
+          + (f", {num_processes} processes ({parallelism(accelerator)})" if num_processes > 1 else ""))
 
     command = shlex.join(["python", "train.py", *argv])
+    if num_processes > 1:
+        command += f"  # in each of {num_processes} processes ({parallelism(accelerator)})"
     if checkpoint is None:
         step, seconds = 0, 0.0
         metrics = {"args": saved_args(args), "parameters": parameters, "data": meta, "commands": [command],
                    "train": [], "validation": []}
     else:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        load_training_state(model, optimizer.optimizer, checkpoint)
         random.setstate(checkpoint["rng"]["python"])
         torch.set_rng_state(checkpoint["rng"]["torch"])
         if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
@@ -542,20 +660,31 @@ def main(argv=None):
         step, seconds, metrics = checkpoint["step"], checkpoint["train_seconds"], checkpoint["metrics"]
         metrics["commands"].append(command)
         print(f"resumed from {checkpoint_path} at step {step}")
-    metrics.update(device=device_description(device), precision="bf16 autocast" if bf16 else "fp32")
+    metrics.update(device=device_description(device, accelerator), precision="bf16 autocast" if bf16 else "fp32")
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     def validate(batches, label):
         result = {"step": step, "tokens_seen": step * args.batch_size * args.seq_len,
-                  **evaluate(model, batches, token_bytes, autocast)}
+                  **evaluate(model, batches, token_bytes, autocast, accelerator)}
         tqdm.write(f"step {step}: {label} loss {result['loss']:.4f}, {result['bits_per_byte']:.4f} bits per byte")
         return result
 
     def checkpoint_now():
+        """Returns the whole weights in the main process."""
         metrics.update(step=step, train_seconds=seconds, tokens_seen=step * args.batch_size * args.seq_len)
-        save_checkpoint(checkpoint_path, model, optimizer,
-                        {"step": step, "train_seconds": seconds, "args": saved_args(args), "metrics": metrics})
-        write_json(args.out_dir / "metrics.json", metrics)
+        model_state, optimizer_state = full_training_state(model, optimizer.optimizer)
+        if accelerator.is_main_process:
+            save_checkpoint(checkpoint_path, model_state, optimizer_state,
+                            {"step": step, "train_seconds": seconds, "args": saved_args(args), "metrics": metrics})
+            write_json(args.out_dir / "metrics.json", metrics)
+        return model_state
+
+    def elapsed():
+        """Seconds of training by the main process's clock: all processes must take the same
+        learning rates and validate, save and stop at the same steps."""
+        seconds = torch.tensor([start_seconds + time.perf_counter() - session_start], dtype=torch.float64,
+                               device=device)
+        return broadcast(seconds).item()
 
     if step == 0:
         metrics["validation"].append(validate(validation_subset, "validation"))
@@ -563,26 +692,30 @@ def main(argv=None):
     session_tokens, session_step_seconds = 0, 0.0  # for the throughput: training steps only
     # Into a log file rather than a terminal, a line every 30 s, not ten a second.
     progress_bar = tqdm(total=args.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                        mininterval=0.1 if sys.stderr.isatty() else 30)
+                        mininterval=0.1 if sys.stderr.isatty() else 30, disable=not accelerator.is_main_process)
     while (progress := run_progress(args, step, seconds)) < 1:
         step_start = time.perf_counter()
         lr = learning_rate(args.lr, step, progress, args.warmup_steps, args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = train_batches(step)
+        batch, num_predicted = train_batches(step)
         with autocast:
-            loss = model(**batch).loss
-        loss.backward()
+            # This process's sum of token losses over the whole batch's count of predicted tokens,
+            # times the number of processes, since DDP and FSDP average the gradients over them: the
+            # gradient is that of the batch's mean token loss, as in one process.
+            loss = model(**batch, num_items_in_batch=num_predicted).loss * num_processes
+        accelerator.backward(loss)
         if args.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss = loss.item()  # waits for the step, so the time below is the step's
+        # The batch's mean token loss; .item() waits for the step, so the time below is the step's.
+        loss = accelerator.reduce(loss.detach(), "mean").item()
         step += 1
         session_step_seconds += time.perf_counter() - step_start
-        session_tokens += batch["input_ids"].numel()
+        session_tokens += args.batch_size * args.seq_len
         metrics["tokens_per_second"] = session_tokens / session_step_seconds
-        seconds = start_seconds + time.perf_counter() - session_start
+        seconds = elapsed()
         metrics["train"].append({"step": step, "loss": loss, "lr": lr, "seconds": round(seconds, 3)})
         progress_bar.update()
         progress_bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{metrics['tokens_per_second']:,.0f}")
@@ -593,14 +726,16 @@ def main(argv=None):
             metrics["validation"].append(validate(validation_subset, "validation"))
         if step % args.save_interval == 0 and not finished:
             checkpoint_now()
-        seconds = start_seconds + time.perf_counter() - session_start  # evaluations count against the budget
+        seconds = elapsed()  # evaluations count against the budget
     progress_bar.close()
 
-    final = validate(validation_batches(streams["validation"], args.seq_len, args.batch_size, 0, device),
-                     "final validation (all tokens)")
+    final = validate(validation_batches(streams["validation"], args.seq_len, args.batch_size, 0, device, rank,
+                                        num_processes), "final validation (all tokens)")
     metrics["final_validation"] = final
-    checkpoint_now()
-    save_model_folder(args.out_dir, model, tokenizer, args, metrics)
+    model_state = checkpoint_now()
+    if accelerator.is_main_process:
+        save_model_folder(args.out_dir, model_class, accelerator.unwrap_model(model).config, model_state, tokenizer,
+                          args, metrics)
     print(f"saved {args.out_dir}: {step} steps, {metrics['tokens_seen']:,} tokens in {seconds / 60:.1f} min, "
           f"validation loss {final['loss']:.4f}, {final['bits_per_byte']:.4f} bits per byte")
     return metrics

@@ -2,12 +2,13 @@
 
 The "torch" backend on CUDA in bf16 at real sizes against the fp32 per-token reference run on
 the same (bf16-rounded) inputs, and the model on CUDA: generate with a left-padded batch, prefill
-then decode, and agreement with the CPU. Tolerances: states are fp32 in every backend (rel. error
+then decode, agreement with the CPU, and a model split across two GPUs by device_map. Tolerances: states are fp32 in every backend (rel. error
 <= 1e-4); bf16 outputs and gradients carry bf16 rounding (rel. error <= 1e-2).
 """
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from conftest import build_model, left_pad
 from test_generate import cache_of
@@ -170,3 +171,41 @@ def test_triton_backward_bf16_at_real_sizes(name, update, residual, kaczmarz, B,
     for n, got, ref in zip(names, results["triton"], results["torch"]):
         assert torch.isfinite(got).all(), n
         assert rel_err(got, ref) < (1e-2 if n in ("q", "k", "v") else 2e-2), f"d{n}: {rel_err(got, ref):.2e}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("generation", [{}, {"num_beams": 3}], ids=["greedy", "beam_search"])
+@pytest.mark.parametrize("mixer_name", ["rdn", "hybrid"])
+def test_device_map_auto_across_two_gpus_generates_as_one_gpu(mixer_name, generation, tmp_path):
+    """A model that device_map="auto" splits over two GPUs generates what it generates on one:
+    every layer's cached states stay on that layer's GPU (through beam search's reordering too),
+    and decoding runs eagerly, since a CUDA graph cannot span two devices. Head size 64 takes the
+    Triton kernels, which must launch on the layer's GPU, not on the current one."""
+    layers = {"num_hidden_layers": 8}
+    if mixer_name == "hybrid":
+        layers["layer_types"] = ["linear_attention", "full_attention"] * 4
+    build_model(mixer_name, hidden_size=128, num_heads=2, head_dim=64, intermediate_size=256,
+                **layers).save_pretrained(tmp_path)
+    ids, mask = left_pad([torch.randint(3, 100, (n,)) for n in (9, 4, 13)])
+    outputs = {}
+    for placement, device_map in (("one", {"": 0}), ("split", "auto")):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, device_map=device_map)
+        with torch.no_grad():
+            outputs[placement] = model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
+                                                max_new_tokens=12, do_sample=False, return_dict_in_generate=True,
+                                                output_scores=True, **generation)
+        cache = cache_of(outputs[placement])
+        layer_devices = [layer.mlp.down_proj.weight.device for layer in model.model.layers]
+        for i, device in enumerate(layer_devices):
+            held = [x for x in (*(cache.conv_states[i] or ()), *(cache.recurrent_states[i] or ()),
+                                cache.key_cache[i], cache.value_cache[i]) if x is not None]
+            assert held and all(x.device == device for x in held), f"layer {i}"
+        if placement == "split":
+            two_gpus = {torch.device("cuda", 0), torch.device("cuda", 1)}
+            assert set(layer_devices) == two_gpus, getattr(model, "hf_device_map", None)
+            assert cache.decode_graph is None
+        elif mixer_name == "rdn":
+            assert cache.decode_graph is not None  # one GPU replays a graph: the check above can fail
+    assert torch.equal(outputs["split"].sequences, outputs["one"].sequences)
+    torch.testing.assert_close(torch.stack(outputs["split"].scores), torch.stack(outputs["one"].scores), rtol=0,
+                               atol=1e-5)

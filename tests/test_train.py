@@ -286,6 +286,10 @@ def test_bad_runs_fail_clearly(corpus, data_dir, tmp_path, capsys):
     assert "is not a readable checkpoint" in run("--max-steps", "1", "--resume")
     torch.save({"model": {}}, tmp_path / "out" / train.CHECKPOINT)
     assert "is not a train.py checkpoint" in run("--max-steps", "1", "--resume")
+    # Before train.py ran in several processes, optimizer states were keyed by position.
+    torch.save({"model": {}, "optimizer": {"state": {0: {}}}, "rng": {}, "step": 1, "args": {}},
+               tmp_path / "out" / train.CHECKPOINT)
+    assert "keyed by position, not by parameter name" in run("--max-steps", "1", "--resume")
 
 
 def test_resume_refuses_changed_settings(corpus, data_dir, trained_run, capsys):
