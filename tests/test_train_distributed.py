@@ -143,29 +143,28 @@ def logits_on_one_thread(model, input_ids):
         torch.set_num_threads(threads)
 
 
-def test_ddp_matches_one_process(one_process, corpus, data_dir, tmp_path):
-    """DDP with activation checkpointing."""
+def assert_launch_matches_one_process(config_file, parallelism, one_process, corpus, data_dir, tmp_path):
+    """A 2-process run with activation checkpointing computes the one-process run, and its saved
+    folder loads with the logits of the model it trained. Returns its output folder and metrics."""
     out_dir = tmp_path / "out"
-    metrics = launched_run("ddp.yaml", corpus, data_dir, out_dir, *CPU_RUN, "--gradient-checkpointing")
-    assert metrics["device"].startswith("2 processes, DDP")
+    metrics = launched_run(config_file, corpus, data_dir, out_dir, *CPU_RUN, "--gradient-checkpointing")
+    assert metrics["device"].startswith(f"2 processes, {parallelism}")
     assert_same_run(metrics, one_process[1])
     assert_same_weights(out_dir, one_process[0])
     model = loaded_model_folder(out_dir)
     trained = torch.load(tmp_path / "logits.pt", weights_only=True)
     assert torch.equal(logits_on_one_thread(model, trained["input_ids"]), trained["logits"])
+    return out_dir, metrics
+
+
+def test_ddp_matches_one_process(one_process, corpus, data_dir, tmp_path):
+    assert_launch_matches_one_process("ddp.yaml", "DDP", one_process, corpus, data_dir, tmp_path)
 
 
 def test_fsdp2_matches_one_process_and_resumes_exactly(one_process, corpus, data_dir, tmp_path):
     """FSDP2 with activation checkpointing; then a run resumed from its step-10 checkpoint, as if it
     had stopped there, repeats it bit for bit. (One test: two FSDP runs are most of its time.)"""
-    out_dir = tmp_path / "out"
-    metrics = launched_run("fsdp2.yaml", corpus, data_dir, out_dir, *CPU_RUN, "--gradient-checkpointing")
-    assert metrics["device"].startswith("2 processes, FSDP2")
-    assert_same_run(metrics, one_process[1])
-    assert_same_weights(out_dir, one_process[0])
-    model = loaded_model_folder(out_dir)
-    trained = torch.load(tmp_path / "logits.pt", weights_only=True)
-    assert torch.equal(logits_on_one_thread(model, trained["input_ids"]), trained["logits"])
+    out_dir, metrics = assert_launch_matches_one_process("fsdp2.yaml", "FSDP2", one_process, corpus, data_dir, tmp_path)
     # The checkpoint holds the whole optimizer state, keyed by parameter name.
     optimizer = torch.load(out_dir / train.CHECKPOINT, weights_only=True)["optimizer"]
     moments = optimizer["state"]["model.layers.0.attn.q_proj.weight"]["exp_avg"]
