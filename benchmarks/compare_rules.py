@@ -51,9 +51,7 @@ plus each rule's own kernel variants, evaluation and saving. Six rules at one se
 starts a bare machine, so repeat one command, stopped in time, until the table is whole; bring
 back only the small JSON files, and carry them into the next call (out/ is git-ignored):
 
-    export PYTHONUNBUFFERED=1; timeout 560 python3 benchmarks/compare_rules.py --seeds 0 1 2 \\
-        2>&1 | tee $OUT/compare.log; find out/compare -name comparison.json -o -name metrics.json \\
-        -o -path '*/mqar/*.json' | tar czf $OUT/compare.tgz -T -
+    bash tools/gpu_run.sh compare    # on the GPU machine: the runs, then $OUT/compare.tgz
     # then here: tar xzf <files_at>/compare.tgz, and the next call carries ["out/compare"];
     # python benchmarks/compare_rules.py --table --seeds 0 1 2 prints the table at any point.
 

@@ -21,6 +21,9 @@
 #   prefill      benchmarks/bench_prefill.py, its CSV and SVG into the log folder (600)
 #   context      context parallelism on 2 GPUs (nvidia-h200-x2): its GPU tests, then
 #                benchmarks/bench_context_parallel.py under torchrun (600)
+#   compare      benchmarks/compare_rules.py --seeds 0 1 2, as far as it gets; its JSON results
+#                into compare.tgz in the log folder (carry them back as out/compare: see the
+#                script's docstring) (540)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${OUT:-gpu-logs}
@@ -43,7 +46,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|suite|convert|forward|backward|kernels|decode|generate|training|prefill|context) ;;
+    tests|suite|convert|forward|backward|kernels|decode|generate|training|prefill|context|compare) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -64,6 +67,10 @@ for name in "$@"; do
     context) job context 600 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_context_parallel.py \
       && NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
          benchmarks/bench_context_parallel.py" ;;
+    # Finished runs are skipped: repeat the job, carrying out/compare, until the table is whole.
+    compare) job compare 540 python3 benchmarks/compare_rules.py --seeds 0 1 2
+      find out/compare -name comparison.json -o -name metrics.json -o -path '*/mqar/*.json' \
+        | tar czf "$logs/compare.tgz" -T - ;;
   esac
 done
 printf '%s\n' "${summary[@]}"
