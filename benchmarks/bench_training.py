@@ -29,6 +29,7 @@ FLA's for every rule. FLA on the H200, measured by the issue's author: 81k token
 
     python benchmarks/bench_training.py [--rules gdn kla rdn rla sgla rkla] [--batch 4] [--length 4096]
                                         [--steps 10] [--warmup 3] [--checkpointing] [--kernel-backend auto]
+                                        [--profile 20]   # and each model's 20 slowest kernels of a step
     python benchmarks/bench_training.py --smoke   # tiny model; runs on a CPU (torch backend, fp32; FLA skipped)
     python benchmarks/bench_training.py --smoke --kernel-backend triton   # the same, Triton in its interpreter
 """
@@ -40,13 +41,15 @@ import torch
 
 from bench_generate import SHAPE, SMOKE_SHAPE, load_fla, load_ours, parameters
 from common import DEVICE, RULES, import_fla, lift_fla_backward_guard, median_ms, print_header, synchronize
+from kernel_times import kernel_times
 
 SPEED_GOALS = {"gdn": 1.0, "kla": 1.0, "rdn": 0.75, "rla": 0.75}  # tokens/s, ours / FLA at least
 MEMORY_GOAL = 1.1  # peak memory, ours / FLA at most
 
 
-def measure(model, input_ids, steps, warmup, checkpointing):
-    """(median ms per training step, peak GiB over the measured steps or None on the CPU, last loss)."""
+def measure(model, input_ids, steps, warmup, checkpointing, profile=False):
+    """(median ms per training step, peak GiB over the measured steps or None on the CPU, last loss,
+    and with `profile` the step's time per kernel, {name: us}, else None)."""
     model.train()
     if checkpointing:
         # Non-reentrant for both: transformers' default for it changed between versions.
@@ -72,14 +75,15 @@ def measure(model, input_ids, steps, warmup, checkpointing):
         torch.cuda.reset_peak_memory_stats()
     ms = median_ms(step, repeats=steps, warmup=0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None
-    return ms, peak, last_loss[0].item()
+    times = kernel_times(step, repeats=3) if profile else None
+    return ms, peak, last_loss[0].item(), times
 
 
 def build_and_measure(build, input_ids, args):
     """(parameter count, measure's result) of the model that build() returns. The model is gone when
     this returns; its memory is freed before the next model is built, so that each peak is its own."""
     model = build()
-    result = measure(model, input_ids, args.steps, args.warmup, args.checkpointing)
+    result = measure(model, input_ids, args.steps, args.warmup, args.checkpointing, args.profile)
     return parameters(model), result
 
 
@@ -87,6 +91,16 @@ def free_memory():
     gc.collect()  # a model may hold reference cycles
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
+
+
+def print_slowest_kernels(times, count):
+    """The `count` slowest kernels of a step, and the share of the step's kernel time they take."""
+    if not times:
+        return
+    total = sum(times.values())
+    for name, us in times.most_common(count):
+        print(f"    {us:9.1f} us {100 * us / total:5.1f}%  {name[:100]}")
+    print(f"    {total:9.1f} us in all {len(times)} kernels of a step", flush=True)
 
 
 def main():
@@ -100,6 +114,8 @@ def main():
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing, both models")
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"],
                         help="our config's kernel_backend (auto: what a user gets)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after each model's row, its N slowest kernels of a step (GPU time; CPU operators on a CPU)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and few steps, to check the script itself")
     args = parser.parse_args()
     shape = SMOKE_SHAPE if args.smoke else SHAPE
@@ -124,7 +140,7 @@ def main():
           f"{'tok/s vs FLA':>12}  {'goal':17} {'mem vs FLA':>10}  goal")
 
     def row(name, count, result):
-        ms, peak, loss = result
+        ms, peak, loss, _ = result
         peak_text = f"{peak:9.2f}" if peak is not None else f"{'n/a':>9}"
         return f"{name:9} {count:>7} {ms:9.1f} {tokens / ms * 1e3:9.0f} {peak_text} {loss:7.3f}"
 
@@ -133,6 +149,7 @@ def main():
         count, theirs = build_and_measure(lambda: load_fla(shape), input_ids, args)
         free_memory()
         print(row("FLA gdn", count, theirs), flush=True)
+        print_slowest_kernels(theirs[3], args.profile)
 
     for rule in args.rules:
         count, ours = build_and_measure(lambda: load_ours(rule, shape, args.kernel_backend), input_ids, args)
@@ -146,6 +163,7 @@ def main():
             memory_verdict = f"<= {MEMORY_GOAL:.1f}x {'met' if memory <= MEMORY_GOAL else 'NOT met'}"
             line += f"   {speed:11.2f}x  {speed_verdict:17} {memory:9.2f}x  {memory_verdict}"
         print(line, flush=True)
+        print_slowest_kernels(ours[3], args.profile)
 
 
 if __name__ == "__main__":
