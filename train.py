@@ -681,10 +681,12 @@ def train(args, argv, accelerator):
 
     def elapsed():
         """Seconds of training by the main process's clock: all processes must take the same
-        learning rates and validate, save and stop at the same steps."""
-        seconds = torch.tensor([start_seconds + time.perf_counter() - session_start], dtype=torch.float64,
-                               device=device)
-        return broadcast(seconds).item()
+        learning rates and validate, save and stop at the same steps. One process needs no device
+        round trip for it."""
+        seconds = start_seconds + time.perf_counter() - session_start
+        if num_processes == 1:
+            return seconds
+        return broadcast(torch.tensor([seconds], dtype=torch.float64, device=device)).item()
 
     if step == 0:
         metrics["validation"].append(validate(validation_subset, "validation"))
