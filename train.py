@@ -438,7 +438,7 @@ def save_checkpoint(path, model_state, optimizer_state, state):
     writing leaves the previous checkpoint whole."""
     rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    temporary = path.with_name(path.name + ".tmp")
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # concurrent writers (compare_rules --jobs)
     torch.save({"model": model_state, "optimizer": optimizer_state, "rng": rng, **state}, temporary)
     os.replace(temporary, path)
 
@@ -470,7 +470,7 @@ def saved_args(args):
 
 
 def write_json(path, data):
-    temporary = path.with_name(path.name + ".tmp")
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # concurrent writers (compare_rules --jobs)
     temporary.write_text(json.dumps(data, indent=1))
     os.replace(temporary, path)
 

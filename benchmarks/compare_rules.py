@@ -66,7 +66,9 @@ import json
 import os
 import shlex
 import statistics
+import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -111,10 +113,14 @@ def parse_args(argv=None):
     parser.add_argument("--max-steps", type=int, default=LM_STEPS, help=f"LM training steps (default {LM_STEPS})")
     parser.add_argument("--train-args", default="", help="more train.py flags for every LM run, as one string")
     parser.add_argument("--mqar-args", default="", help="more benchmarks/mqar.py flags for every MQAR run")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once, each its own process (default 1): small models leave a GPU mostly idle")
     parser.add_argument("--table", action="store_true", help="print the table of the results present; run nothing")
     args = parser.parse_args(argv)
     if len(set(args.seeds)) < len(args.seeds) or min(args.seeds) < 0:
         parser.error(f"--seeds must be distinct and >= 0, got {' '.join(map(str, args.seeds))}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     return args
 
 
@@ -201,14 +207,16 @@ def mqar_args(args):
 
 def record_config(results, configs):
     """Write each part's config into results/comparison.json, or refuse one that differs from
-    the config its earlier runs there were made with."""
+    the config its earlier runs there were made with. "jobs" keeps the most runs ever made at
+    once: those runs' tokens/s were measured on a shared GPU."""
     path = results / CONFIG_FILE
     record = json.loads(path.read_text()) if path.is_file() else {}
     for part, config in configs.items():
         if part in record and record[part]["argv"] != config["argv"]:
             fail(f"{results} holds {part} runs made with the flags {shlex.join(record[part]['argv'])}; this "
                  f"command gives {shlex.join(config['argv'])}: repeat their flags, or choose another --results")
-        record[part] = config
+        jobs = max(record.get(part, {}).get("jobs", 1), config.get("jobs", 1))
+        record[part] = {**config, "jobs": jobs}
     results.mkdir(parents=True, exist_ok=True)
     train.write_json(path, record)
 
@@ -257,6 +265,45 @@ def run_mqar_part(extra_args, rules, seeds, results):
         partial = path.with_name(path.name + ".partial")  # renamed once whole: a cut run leaves no result
         mqar.main([*extra_args, "--attn-types", rule, "--seed", str(seed), "--out", str(partial)])
         os.replace(partial, path)
+
+
+def run_concurrently(args, configs, lm_rules, mqar_rules):
+    """Each pending run as its own compare_rules.py process (one part, rule and seed), --jobs at
+    once, its output in <results>/logs/. Returns the runs that failed, with the end of their log."""
+    pending = []
+    for seed in args.seeds:  # seed by seed, as run_lm_part: a cut comparison then holds whole seeds
+        pending += [("mqar", rule, seed) for rule in mqar_rules if not mqar_result_path(args.results, rule, seed).is_file()]
+        pending += [("lm", rule, seed) for rule in lm_rules if not finished_lm_run(lm_run_dir(args.results, rule, seed))]
+    first_lm = next((run for run in pending if run[0] == "lm"), None)
+    if first_lm:
+        print_epochs(lm_run_argv(configs["lm"]["argv"], *first_lm[1:], args.results))  # the data, once for all
+    print(f"compare: {len(pending)} runs to make, {args.jobs} at once (logs in {args.results / 'logs'})", flush=True)
+    (args.results / "logs").mkdir(parents=True, exist_ok=True)
+    # One thread per run: PyTorch would otherwise start a thread per core in each process.
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    waiting, running, failures = list(pending), [], []
+    while waiting or running:
+        while waiting and len(running) < args.jobs:
+            part, rule, seed = run = waiting.pop(0)
+            log = args.results / "logs" / f"{part}-{rule}-seed{seed}.log"
+            command = [sys.executable, __file__, "--results", str(args.results), "--parts", part, "--rules", rule,
+                       "--seeds", str(seed), *configs[part]["flags"]]
+            with open(log, "w") as output:
+                running.append((run, log, subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                                           env=environment)))
+        finished = next((entry for entry in running if entry[2].poll() is not None), None)
+        if finished is None:
+            time.sleep(1)
+            continue
+        running.remove(finished)
+        (part, rule, seed), log, process = finished
+        if process.returncode == 0:
+            print(f"compare: {part} {rule} seed {seed} done", flush=True)
+        else:
+            tail = "\n".join(log.read_text().splitlines()[-5:])
+            print(f"compare: {part} {rule} seed {seed} FAILED (exit {process.returncode}):\n{tail}", flush=True)
+            failures.append(f"{part} {rule} seed {seed}: exit {process.returncode}, see {log}")
+    return failures
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,9 +384,11 @@ def table_lines(values, lm_runs, mqar_runs, lm_rules, mqar_rules, seeds):
     return lines
 
 
-def setting_lines(lm_runs, mqar_runs):
+def setting_lines(lm_runs, mqar_runs, jobs):
     lines = ["Mean ± sample standard deviation over the seeds listed; MQAR in % of the answers right. tokens/s: "
              "training tokens per second at the median step."]
+    if jobs > 1:
+        lines.append(f"Up to {jobs} runs shared the GPU at once: tokens/s are lower than a run alone, and noisy.")
     for part, runs, setting in (("LM", lm_runs, lm_setting), ("MQAR", mqar_runs, mqar_setting)):
         settings = sorted({setting(result) for by_seed in runs.values() for result in by_seed.values()})
         warning = " (WARNING: its runs differ)" if len(settings) > 1 else ""
@@ -388,7 +437,7 @@ def comparison_table(results, lm_rules, mqar_rules, seeds):
     configs = json.loads(path.read_text()) if path.is_file() else {}
     values = metric_values(lm_runs, mqar_runs)
     return "\n".join([*table_lines(values, lm_runs, mqar_runs, lm_rules, mqar_rules, seeds), "",
-                      *setting_lines(lm_runs, mqar_runs), "", *claim_lines(values), "",
+                      *setting_lines(lm_runs, mqar_runs, configs.get("lm", {}).get("jobs", 1)), "", *claim_lines(values), "",
                       *command_lines(results, configs, lm_runs, mqar_runs, lm_rules, mqar_rules, seeds)])
 
 
@@ -410,11 +459,16 @@ def main(argv=None):
         if mqar_rules:
             configs["mqar"] = {"flags": [f"--mqar-args={args.mqar_args}"] if args.mqar_args else [],
                                "argv": extra_mqar_args}
+        for config in configs.values():
+            config["jobs"] = args.jobs
         record_config(args.results, configs)
-        if lm_rules:
-            failures = run_lm_part(train_args, lm_rules, args.seeds, args.results)
-        if mqar_rules:
-            run_mqar_part(extra_mqar_args, mqar_rules, args.seeds, args.results)
+        if args.jobs > 1:
+            failures = run_concurrently(args, configs, lm_rules, mqar_rules)
+        else:
+            if lm_rules:
+                failures = run_lm_part(train_args, lm_rules, args.seeds, args.results)
+            if mqar_rules:
+                run_mqar_part(extra_mqar_args, mqar_rules, args.seeds, args.results)
     table = comparison_table(args.results, lm_rules, mqar_rules, args.seeds)
     print(table)
     if failures:

@@ -241,3 +241,22 @@ def test_bad_arguments_fail_clearly(tmp_path, capsys, monkeypatch, argv, message
         monkeypatch.setattr(module, name, must_not_run)
     assert message in error_of(["--results", str(tmp_path / "results"), *argv], capsys)
     assert not (tmp_path / "results").exists()  # refused before anything was written
+
+
+def test_concurrent_runs_give_the_sequential_results(tmp_path, corpus):
+    """--jobs 3: each run in its own process, the same results as one after another (the CPU
+    repeats a run bit for bit), every log kept, and the table says the GPU was shared."""
+    argv = ["--rules", "gdn", "rdn", "--seeds", "0", "1"]
+    compare_rules.main(tiny_argv(tmp_path / "one", corpus, *argv))
+    table = compare_rules.main(tiny_argv(tmp_path / "three", corpus, *argv, "--jobs", "3"))
+    for rule in ("gdn", "rdn"):
+        for seed in (0, 1):
+            alone, shared = (json.loads((tmp_path / folder / "lm" / f"{rule}-seed{seed}" / "metrics.json").read_text())
+                             for folder in ("one", "three"))
+            assert shared["final_validation"] == alone["final_validation"]
+            mqar_alone, mqar_shared = (json.loads((tmp_path / folder / "mqar" / f"{rule}-seed{seed}.json").read_text())
+                                       for folder in ("one", "three"))
+            assert mqar_shared["runs"][0]["accuracy"] == mqar_alone["runs"][0]["accuracy"]
+    assert len(list((tmp_path / "three" / "logs").glob("*.log"))) == 8
+    assert "Up to 3 runs shared the GPU at once" in table
+    assert json.loads((tmp_path / "three" / compare_rules.CONFIG_FILE).read_text())["lm"]["jobs"] == 3
