@@ -42,14 +42,17 @@ fit in it. Each LM part prints its epochs and warns above 2. A longer comparison
 corpus: --corpus FOLDER (any folder of *.py files; torch's own package holds ~46 MB, ~12M tokens)
 with a higher --max-steps.
 
-GPU time, estimated (not measured): rdn ran at ~224k tokens/s with 32 rows a step; with 8 a
-step is partly host-bound, so ~40-50 ms, ~25 s for 500 steps (less for sgla, gdn, kla, whose
-kernels are 2-3x cheaper in backward); per process ~1 min of CUDA start-up and Triton compiles,
-plus each rule's own kernel variants, evaluation and saving. Six rules at one seed: ~4-6 min,
-~2.5 min a further seed. MQAR (mqar.py's docstring): ~5-6 min for the four rules at one seed,
-~4-5 min a further seed: three seeds of both, ~25 min. A GPU call is at most 10 minutes and
-starts a bare machine, so repeat one command, stopped in time, until the table is whole; bring
-back only the small JSON files, and carry them into the next call (out/ is git-ignored):
+GPU time, measured once (H200, session 5): 12 runs at once (--jobs 12: the first 6 LM runs of seed
+0, 4 MQAR runs of seed 0 and 2 of seed 1) ran the LM steps at 540 ms each (15K tokens/s a run;
+the shipped model trained alone at 146 ms a step of 4x the rows) and the MQAR steps at ~64 ms.
+In the call's 500 s the 6 LM runs finished (4.4 min each, after ~1 min of start-up and compiles)
+and no MQAR run did (7000 of 10K steps): an MQAR run cut short leaves nothing. So a call starts
+runs only while they can still finish: --jobs 4 --start-within 3.5 in a 540 s call. Estimated
+from those rates (GPU-bound: the 12 runs shared it without gaining throughput): the LM part ~25 s
+of GPU a run, ~8 min for six rules at three seeds; MQAR ~60-100 s a run, ~15 min for four rules
+at three seeds. A GPU call is at most 10 minutes and starts a bare machine, so repeat one
+command until the table is whole; bring back only the small JSON files, and carry them into the
+next call (out/ is git-ignored):
 
     bash tools/gpu_run.sh compare    # on the GPU machine: the runs, then $OUT/compare.tgz
     # then here: tar xzf <files_at>/compare.tgz, and the next call carries ["out/compare"];
@@ -115,12 +118,17 @@ def parse_args(argv=None):
     parser.add_argument("--mqar-args", default="", help="more benchmarks/mqar.py flags for every MQAR run")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once, each its own process (default 1): small models leave a GPU mostly idle")
+    parser.add_argument("--start-within", type=float, default=None, metavar="MINUTES",
+                        help="with --jobs: start no run after this many minutes, so that a time-limited call ends "
+                             "with whole runs (an MQAR run cut short leaves nothing)")
     parser.add_argument("--table", action="store_true", help="print the table of the results present; run nothing")
     args = parser.parse_args(argv)
     if len(set(args.seeds)) < len(args.seeds) or min(args.seeds) < 0:
         parser.error(f"--seeds must be distinct and >= 0, got {' '.join(map(str, args.seeds))}")
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.start_within is not None and args.jobs == 1:
+        parser.error("--start-within needs --jobs 2 or more")
     return args
 
 
@@ -282,7 +290,12 @@ def run_concurrently(args, configs, lm_rules, mqar_rules):
     # One thread per run: PyTorch would otherwise start a thread per core in each process.
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     waiting, running, failures = list(pending), [], []
+    start = time.monotonic()
     while waiting or running:
+        if args.start_within is not None and waiting and time.monotonic() - start > 60 * args.start_within:
+            print(f"compare: {len(waiting)} runs not started: --start-within {args.start_within:g} minutes has passed",
+                  flush=True)
+            waiting = []
         while waiting and len(running) < args.jobs:
             part, rule, seed = run = waiting.pop(0)
             log = args.results / "logs" / f"{part}-{rule}-seed{seed}.log"

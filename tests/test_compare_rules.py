@@ -260,3 +260,12 @@ def test_concurrent_runs_give_the_sequential_results(tmp_path, corpus):
     assert len(list((tmp_path / "three" / "logs").glob("*.log"))) == 8
     assert "Up to 3 runs shared the GPU at once" in table
     assert json.loads((tmp_path / "three" / compare_rules.CONFIG_FILE).read_text())["lm"]["jobs"] == 3
+
+
+def test_no_run_starts_after_start_within(tmp_path, corpus, capsys):
+    table = compare_rules.main(tiny_argv(tmp_path / "results", corpus, "--parts", "lm", "--rules", "gdn", "rdn",
+                                         "--jobs", "2", "--start-within", "0"))
+    assert "compare: 2 runs not started: --start-within 0 minutes has passed" in capsys.readouterr().out
+    assert "| gdn | missing |" in table and "| rdn | missing |" in table
+    with pytest.raises(SystemExit):
+        compare_rules.main(tiny_argv(tmp_path / "results", corpus, "--start-within", "1"))

@@ -21,9 +21,9 @@
 #   prefill      benchmarks/bench_prefill.py, its CSV and SVG into the log folder (600)
 #   context      context parallelism on 2 GPUs (nvidia-h200-x2): its GPU tests, then
 #                benchmarks/bench_context_parallel.py under torchrun (600)
-#   compare      benchmarks/compare_rules.py --seeds 0 1 2 --jobs 12, as far as it gets; its JSON results
+#   compare      benchmarks/compare_rules.py --seeds 0 1 2 --jobs 4 --start-within 3.5; its JSON results
 #                into compare.tgz in the log folder (carry them back as out/compare: see the
-#                script's docstring) (500)
+#                script's docstring) (540)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${OUT:-gpu-logs}
@@ -68,7 +68,7 @@ for name in "$@"; do
       && NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
          benchmarks/bench_context_parallel.py" ;;
     # Finished runs are skipped: repeat the job, carrying out/compare, until the table is whole.
-    compare) job compare 500 python3 benchmarks/compare_rules.py --seeds 0 1 2 --jobs 12
+    compare) job compare 540 python3 benchmarks/compare_rules.py --seeds 0 1 2 --jobs 4 --start-within 3.5
       find out/compare -name comparison.json -o -name metrics.json -o -path '*/mqar/*.json' \
         | tar czf "$logs/compare.tgz" -T -
       for log in out/compare/logs/*.log; do echo "== $log"; tail -c 2000 "$log"; echo; done >"$logs/compare-runs.log" ;;
