@@ -2,7 +2,7 @@
 budget (validation loss, bits per byte), and the KLA paper's MQAR at 1x-8x the train length.
 One markdown table at the end, with the command that reproduces each of its rows.
 
-    python benchmarks/compare_rules.py                                # both parts, seed 0, out/compare
+    python benchmarks/compare_rules.py                                # both parts, seed 0
     python benchmarks/compare_rules.py --parts lm --seeds 0 1 2       # the LM part, three seeds
     python benchmarks/compare_rules.py --rules gdn rdn --seeds 1      # a subset
     python benchmarks/compare_rules.py --table --seeds 0 1 2          # only the table of what exists
@@ -51,11 +51,12 @@ runs only while they can still finish: --jobs 4 --start-within 3.5 in a 540 s ca
 from those rates (GPU-bound: the 12 runs shared it without gaining throughput): the LM part ~25 s
 of GPU a run, ~8 min for six rules at three seeds; MQAR ~60-100 s a run, ~15 min for four rules
 at three seeds. A GPU call is at most 10 minutes and starts a bare machine, so repeat one
-command until the table is whole; bring back only the small JSON files, and carry them into the
-next call (out/ is git-ignored):
+command until the table is whole, bringing back only the small JSON files. The default --results,
+benchmarks/results/compare/, is in the repository (its .gitignore keeps the JSON files only):
+what is committed there is the README's table, and travels to the GPU machine with the tree.
 
     bash tools/gpu_run.sh compare    # on the GPU machine: the runs, then $OUT/compare.tgz
-    # then here: tar xzf <files_at>/compare.tgz, and the next call carries ["out/compare"];
+    # then here, in the repository's root: tar xzf <files_at>/compare.tgz, and commit the results;
     # python benchmarks/compare_rules.py --table --seeds 0 1 2 prints the table at any point.
 
 Noise: initial weights and batch order come from the seed, the data split from the file paths,
@@ -84,6 +85,7 @@ LM_RULES = ("sgla", "rla", "gdn", "kla", "rdn", "rkla")
 MQAR_RULES = ("gdn", "kla", "rdn", "rkla")  # the KLA paper's MQAR set (it has no sGLA, RLA)
 PARTS = ("lm", "mqar")
 LM_STEPS = 500
+DEFAULT_RESULTS = REPO / "benchmarks" / "results" / "compare"
 # The comparison's train.py flags besides --max-steps (the rest are train.py's defaults): see the
 # module docstring for why the batch is small.
 LM_CONFIG = ["--tie-word-embeddings", "--batch-size", "8", "--seq-len", "1024", "--warmup-steps", "50"]
@@ -107,7 +109,8 @@ def fail(message):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", type=Path, default=Path("out/compare"), help="the comparison's folder")
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
+                        help="the comparison's folder (default: the repository's, benchmarks/results/compare)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--rules", nargs="+", choices=LM_RULES,
                         help=f"default: {' '.join(LM_RULES)} (LM), {' '.join(MQAR_RULES)} (MQAR)")
@@ -430,14 +433,16 @@ def claim_lines(values):
 
 
 def command_lines(results, configs, lm_runs, mqar_runs, lm_rules, mqar_rules, seeds):
-    lines = [f"Commands, one per row and part (runs finished in {results} are skipped: give an empty --results "
+    shown = results.resolve().relative_to(REPO) if results.resolve().is_relative_to(REPO) else results
+    results_flag = [] if results.resolve() == DEFAULT_RESULTS else ["--results", str(shown)]
+    lines = [f"Commands, one per row and part (runs finished in {shown} are skipped: give an empty --results "
              f"to recompute); each run's own train.py / mqar.py command is in its metrics.json / JSON:", "```"]
     for part, rules, runs in (("lm", lm_rules, lm_runs), ("mqar", mqar_rules, mqar_runs)):
         flags = configs.get(part, {}).get("flags", [])
         for rule in (r for r in LM_RULES if r in rules or r in runs):
             rule_seeds = sorted(runs.get(rule, {})) or seeds
-            lines.append(shlex.join(["python", "benchmarks/compare_rules.py", "--results", str(results), "--parts",
-                                     part, "--rules", rule, "--seeds", *map(str, rule_seeds), *flags]))
+            lines.append(shlex.join(["python", "benchmarks/compare_rules.py", *results_flag, "--parts", part,
+                                     "--rules", rule, "--seeds", *map(str, rule_seeds), *flags]))
     return lines + ["```"]
 
 

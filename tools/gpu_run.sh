@@ -22,7 +22,7 @@
 #   context      context parallelism on 2 GPUs (nvidia-h200-x2): its GPU tests, then
 #                benchmarks/bench_context_parallel.py under torchrun (600)
 #   compare      benchmarks/compare_rules.py --seeds 0 1 2 --jobs 4 --start-within 3.5; its JSON results
-#                into compare.tgz in the log folder (carry them back as out/compare: see the
+#                into compare.tgz in the log folder (untar it in the repository's root: see the
 #                script's docstring) (540)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,11 +67,11 @@ for name in "$@"; do
     context) job context 600 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_context_parallel.py \
       && NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
          benchmarks/bench_context_parallel.py" ;;
-    # Finished runs are skipped: repeat the job, carrying out/compare, until the table is whole.
+    # Finished runs (committed in benchmarks/results/compare) are skipped: repeat until the table is whole.
     compare) job compare 540 python3 benchmarks/compare_rules.py --seeds 0 1 2 --jobs 4 --start-within 3.5
-      find out/compare -name comparison.json -o -name metrics.json -o -path '*/mqar/*.json' \
+      find benchmarks/results/compare -name comparison.json -o -name metrics.json -o -path '*/mqar/*.json' \
         | tar czf "$logs/compare.tgz" -T -
-      for log in out/compare/logs/*.log; do echo "== $log"; tail -c 2000 "$log"; echo; done >"$logs/compare-runs.log" ;;
+      for log in benchmarks/results/compare/logs/*.log; do echo "== $log"; tail -c 2000 "$log"; echo; done >"$logs/compare-runs.log" ;;
   esac
 done
 printf '%s\n' "${summary[@]}"
