@@ -11,8 +11,9 @@ FSDP2 on the CPU: accelerate 1.15 turns FSDP on for GPUs only, and on CPUs silen
 DDP. tests/launch_train.py lets accelerate take FSDP there (torch's FSDP2 itself runs with gloo),
 so the CPU tests run train.py's FSDP2 path: sharding by ResLinBlock, gathered checkpoints, resume.
 
-GPU runs (bf16 autocast, Triton kernels): two GPUs against one within BF16_RTOL, a tolerance not
-yet measured on a GPU (each run prints its largest difference).
+GPU runs (bf16 autocast, Triton kernels): two GPUs against one within BF16_RTOL. Measured on
+2 x H200 (session 5), largest relative difference of the 20 losses: 2.1e-4 under DDP, 5.0e-4
+under FSDP2 (then within a looser 2e-2); BF16_RTOL is 10x the larger.
 """
 
 import json
@@ -44,7 +45,7 @@ CPU_RUN = (*RUN, "--device", "cpu")  # also where CUDA is there
 LOSS_RTOL = 1e-5
 GPU_RUN = (*RUN, "--device", "cuda", "--hidden-size", "128", "--heads", "2", "--head-dim", "64", "--intermediate-size",
            "256", "--kernel-backend", "auto")  # later flags override tiny_run_args's
-BF16_RTOL = 2e-2
+BF16_RTOL = 5e-3
 
 
 @pytest.fixture(scope="module")
