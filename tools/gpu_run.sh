@@ -21,6 +21,7 @@
 #   prefill      benchmarks/bench_prefill.py, its CSV and SVG into the log folder (600)
 #   context      context parallelism on 2 GPUs (nvidia-h200-x2): its GPU tests, then
 #                benchmarks/bench_context_parallel.py under torchrun (600)
+#   ddp          benchmarks/bench_data_parallel.py: train.py's tokens/s on 1 and 2 GPUs (nvidia-h200-x2) (300)
 #   compare      benchmarks/compare_rules.py --seeds 0 1 2 --jobs 4 --start-within 3.5; its JSON results
 #                into compare.tgz in the log folder (untar it in the repository's root: see the
 #                script's docstring) (540)
@@ -46,7 +47,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|suite|convert|forward|backward|kernels|decode|generate|training|prefill|context|compare) ;;
+    tests|suite|convert|forward|backward|kernels|decode|generate|training|prefill|context|ddp|compare) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -67,6 +68,7 @@ for name in "$@"; do
     context) job context 600 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_context_parallel.py \
       && NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
          benchmarks/bench_context_parallel.py" ;;
+    ddp) job ddp 300 env NCCL_NVLS_ENABLE=0 python3 benchmarks/bench_data_parallel.py --steps 30 ;;
     # Finished runs (committed in benchmarks/results/compare) are skipped: repeat until the table is whole.
     compare) job compare 540 python3 benchmarks/compare_rules.py --seeds 0 1 2 --jobs 4 --start-within 3.5
       find benchmarks/results/compare -name comparison.json -o -name metrics.json -o -path '*/mqar/*.json' \
