@@ -12,11 +12,13 @@ within bf16 noise (the global batch is the same rows, split over the processes).
 
 import argparse
 import json
-import statistics
+import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from compare_rules import median_step_tokens_per_second  # a sibling script: benchmarks/ is on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
 # A model big enough that a step is GPU-bound at the per-GPU batch: 12 layers of width 1024
@@ -25,15 +27,16 @@ MODEL = ["--hidden-size", "1024", "--layers", "12", "--heads", "8", "--head-dim"
 BATCH = ["--batch-size", "16", "--seq-len", "2048"]
 
 
-def median_step_tokens_per_second(metrics):
-    seconds = [entry["seconds"] for entry in metrics["train"]]
-    step = statistics.median(b - a for a, b in zip(seconds, seconds[1:]))
-    return metrics["args"]["batch_size"] * metrics["args"]["seq_len"] / step
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def launch(processes, args, out_dir, data_dir):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(args.config),
-               "--num_processes", str(processes), str(REPO / "train.py"), *MODEL, *BATCH,
+               "--num_processes", str(processes), "--main_process_port", str(free_port()),
+               str(REPO / "train.py"), *MODEL, *BATCH,
                "--attn-type", args.rule, "--max-steps", str(args.steps), "--warmup-steps", "5",
                "--eval-interval", str(10 * args.steps), "--save-interval", str(10 * args.steps),
                "--eval-tokens", "65536", "--out-dir", str(out_dir), "--data-dir", str(data_dir), *args.train_args]
@@ -42,26 +45,27 @@ def launch(processes, args, out_dir, data_dir):
     return json.loads((out_dir / "metrics.json").read_text())
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--config", type=Path, default=REPO / "accelerate_configs" / "ddp.yaml")
     parser.add_argument("--rule", default="gdn")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("train_args", nargs="*", help="more train.py flags, after --")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
         runs = {p: launch(p, args, folder / f"p{p}", folder / "data") for p in (1, args.gpus)}
     shape = runs[1]["args"]
-    print(f"\n{args.config.name}, {args.rule}: hidden {shape['hidden_size']}, {shape['layers']} layers, "
-          f"{shape['heads']} heads of {shape['head_dim']}, {shape['batch_size']} x {shape['seq_len']} tokens a step, "
-          f"{args.steps} steps, {runs[1]['device']}")
-    print("GPUs  tokens/s  speed-up  first losses")
+    table = [f"{args.config.name}, {args.rule}: hidden {shape['hidden_size']}, {shape['layers']} layers, "
+             f"{shape['heads']} heads of {shape['head_dim']}, {shape['batch_size']} x {shape['seq_len']} tokens a step, "
+             f"{args.steps} steps, {runs[1]['device']}", "GPUs  tokens/s  speed-up  first losses"]
     for processes, metrics in runs.items():
         speed = median_step_tokens_per_second(metrics)
         losses = " ".join(f"{entry['loss']:.4f}" for entry in metrics["train"][:5])
-        print(f"{processes:4d}  {speed:8,.0f}  {speed / median_step_tokens_per_second(runs[1]):7.2f}x  {losses}")
+        table.append(f"{processes:4d}  {speed:8,.0f}  {speed / median_step_tokens_per_second(runs[1]):7.2f}x  {losses}")
+    print("\n" + "\n".join(table))
+    return runs
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 
 import train
 from conftest import REPO_ROOT
-from test_train import tiny_run_args
+from test_train import TINY_MODEL, tiny_run_args
 
 CONFIGS = REPO_ROOT / "accelerate_configs"
 LAUNCHER = REPO_ROOT / "tests" / "launch_train.py"
@@ -257,3 +257,17 @@ def test_ddp_and_fsdp2_on_two_gpus_match_one_gpu_in_bf16(corpus, data_dir, tmp_p
         on_gpu = model.cuda()(trained["input_ids"].cuda()).logits.cpu()
     assert torch.equal(on_gpu, trained["logits"])
     torch.testing.assert_close(on_cpu, trained["logits"], rtol=0, atol=1e-4 * trained["logits"].abs().max().item())
+
+
+def test_data_parallel_benchmark_runs_one_and_two_processes(corpus):
+    """benchmarks/bench_data_parallel.py end to end with its default config (DDP; gloo on the CPU):
+    both launches train, and the same global batch gives the same losses on 1 and 2 processes."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import bench_data_parallel
+
+    runs = bench_data_parallel.main(["--steps", "4", "--", "--corpus", str(corpus), "--vocab-size", "300", *TINY_MODEL,
+                                     "--seq-len", "64", "--batch-size", "4", "--eval-tokens", "256", "--device", "cpu",
+                                     "--kernel-backend", "torch"])
+    assert runs[1]["device"].startswith("CPU") and runs[2]["device"].startswith("2 processes, DDP")
+    np.testing.assert_allclose([e["loss"] for e in runs[2]["train"]], [e["loss"] for e in runs[1]["train"]],
+                               rtol=LOSS_RTOL)
