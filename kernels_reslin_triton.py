@@ -148,6 +148,10 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 CHUNK_SIZE = 64
 BLOCK = 16  # T^-1 is built from BLOCK x BLOCK blocks: CHUNK_SIZE = 4 * BLOCK
 
+# The additive rule's state recurrence over few long sequences is split into segments (see
+# _ChunkRun.state_segments) until about this many programs run it: ~4 per SM of an H200.
+PARALLEL_PROGRAMS = 512
+MIN_SEGMENT_CHUNKS = 16
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -442,6 +446,41 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr
 
 
 @triton.jit
+def _chunk_state_join_kernel(g_ptr, h_ptr, S0_ptr, ends_ptr, segment_decay_ptr, S_ptr, cu_seqlens_ptr,
+                             chunk_offsets_ptr, SEGMENTS, HV, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
+                             BV: tl.constexpr, DT: tl.constexpr):
+    """Joins the segments that `_chunk_state_kernel` ran from zero states (additive rule, no R):
+    S is linear in its start state, so the true chunk-start state of chunk c of a segment is
+    h_c + e^(G from the segment's start to c) S_start, with S_start = e^(G over the segment
+    before) S_start(before) + that segment's end state, from the row's initial state on. The
+    row's last segment writes the final state."""
+    value_tile, segment, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row, part = segment // SEGMENTS, segment % SEGMENTS
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    state_offsets, tile_ok = _state_tile(row * HV + head, kcols, vcols, DK, DV)
+    S = tl.load(S0_ptr + state_offsets, mask=tile_ok, other=0.0)
+    for before in range(row * SEGMENTS, segment):
+        end_offsets, _ = _state_tile(before * HV + head, kcols, vcols, DK, DV)
+        S = tl.exp(tl.load(segment_decay_ptr + before * HV + head)) * S + \
+            tl.load(ends_ptr + end_offsets, mask=tile_ok, other=0.0)
+    bos, eos, chunk = _sequence_bounds(segment, cu_seqlens_ptr, chunk_offsets_ptr, 0, 0, True)
+    tile = kcols[:, None] * DV + vcols[None, :]
+    r = tl.arange(0, BC)
+    G = 0.0
+    for start in range(bos, eos, BC):
+        h_offsets = (chunk * HV + head) * DK * DV + tile
+        h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
+        tl.store(h_ptr + h_offsets, (h + tl.exp(G) * S).to(DT), mask=tile_ok)
+        rows = start + r
+        G += tl.sum(_token_scalars(g_ptr, rows, rows < eos, head, HV), axis=0)
+        chunk += 1
+    if part == SEGMENTS - 1:
+        end_offsets, _ = _state_tile(segment * HV + head, kcols, vcols, DK, DV)
+        tl.store(S_ptr + state_offsets, tl.exp(G) * S + tl.load(ends_ptr + end_offsets, mask=tile_ok, other=0.0),
+                 mask=tile_ok)
+
+
+@triton.jit
 def _chunk_queries_keys(q_ptr, k_ptr, g_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, value_tile, chunk, head,
                         T, NT, HV, GROUP, DK, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         VARLEN: tl.constexpr):
@@ -589,10 +628,54 @@ class _ChunkRun:
             _chunk_wy_kernel[(layout.num_chunks, HV)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
                 **self.shape, BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
-        _chunk_state_kernel[(_cdiv(Dv, self.state_tile()), layout.num_sequences * HV)](
-            k, v, g, beta, self.gamma_write, self.W, U0, self.U, self.h, self.X_residual, self.W_residual, self.P,
-            self.U_residual, self.h_residual, self.S, self.R, self.z, layout.cu_seqlens, layout.chunk_offsets, clip,
-            **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual, STORE_Z=store_z, **common,
+        def advance(states, cu_seqlens, chunk_offsets, sequences, varlen):
+            """The state kernel from `states` (overwritten with the final ones) over sequences."""
+            _chunk_state_kernel[(_cdiv(Dv, self.state_tile()), sequences * HV)](
+                k, v, g, beta, self.gamma_write, self.W, U0, self.U, self.h, self.X_residual, self.W_residual,
+                self.P, self.U_residual, self.h_residual, states, self.R, self.z, cu_seqlens, chunk_offsets, clip,
+                **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual, STORE_Z=store_z,
+                **{**common, "VARLEN": varlen}, num_warps=self.warps, num_stages=self.stages)
+
+        segments = self.state_segments()
+        if segments == 1:
+            advance(self.S, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences, layout.varlen)
+        else:
+            self.advance_in_segments(advance, S0, segments)
+
+    def state_segments(self):
+        """Segments each sequence's state recurrence is split into (1: not split). Few long
+        sequences leave most SMs idle along the sequential loop. The additive rule without R can
+        run segments side by side: its writes K^T U do not depend on the state (the delta rule's
+        U = U0 - W h and the residual rules' pred do)."""
+        layout = self.layout
+        if self.delta or self.residual or layout.varlen:
+            return 1
+        programs = _cdiv(self.shape["DV"], self.state_tile()) * layout.num_sequences * self.shape["HV"]
+        segments = min(PARALLEL_PROGRAMS // programs, layout.NT // MIN_SEGMENT_CHUNKS)
+        return segments if segments >= 2 else 1
+
+    def advance_in_segments(self, advance, S0, segments):
+        """The state kernel over every segment at once from zero states, then the join kernel:
+        a segment's chunk-start states gain its start state (its row's initial state carried
+        through the segments before it), decayed to each chunk; the final states come last."""
+        layout, HV, BC = self.layout, self.shape["HV"], self.chunk_size
+        B, T, NT = layout.num_sequences, layout.T, layout.NT
+        segment_chunks = _cdiv(NT, segments)
+        segments = _cdiv(NT, segment_chunks)  # none left empty
+        arange = functools.partial(torch.arange, device=self.g.device, dtype=torch.int64)
+        rows, parts = arange(B)[:, None], arange(segments)[None, :]
+        starts = (rows * T + parts * segment_chunks * BC).flatten()  # a multiple of BC: the chunks stay
+        cu_seqlens = torch.cat([starts, starts.new_full((1,), B * T)])
+        chunk_offsets = (rows * NT + parts * segment_chunks).flatten()
+        ends = torch.zeros(B * segments, *S0.shape[1:], device=S0.device, dtype=torch.float32)
+        advance(ends, cu_seqlens, chunk_offsets, B * segments, True)
+        padded = torch.nn.functional.pad(self.g.view(B, T, HV), (0, 0, 0, segments * segment_chunks * BC - T))
+        segment_decay = padded.view(B, segments, segment_chunks * BC, HV).sum(2)  # log decay over each segment
+        S0 = S0.contiguous()
+        self.S = torch.empty_like(S0)  # not S0's copy: the join reads S0 while the last segments write S
+        _chunk_state_join_kernel[(_cdiv(self.shape["DV"], self.state_tile()), B * segments, HV)](
+            self.g, self.h, S0, ends, segment_decay, self.S, cu_seqlens, chunk_offsets, segments, HV,
+            self.shape["DK"], self.shape["DV"], BC=BC, BK=self.BK, BV=self.state_tile(), DT=self.DT,
             num_warps=self.warps, num_stages=self.stages)
 
     def state_tile(self):

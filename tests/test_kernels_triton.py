@@ -5,6 +5,8 @@ in fp32 only (the interpreter computes bf16 wrongly): relative error <= 1e-5. Th
 run compiled on a GPU; test_gpu.py adds bf16 at real sizes there.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -153,3 +155,35 @@ def test_chunked_backward_matches_reference(name, update, residual, kaczmarz, ca
         results[backend] = torch.autograd.grad(loss, [leaves[n] for n in names])
     for n, got, ref in zip(names, results["triton"], results["recurrent"]):
         assert rel_err(got, ref) < 1e-5, f"d{n}: {rel_err(got, ref):.2e}"
+
+
+@pytest.mark.parametrize("programs,segments", [(12, 3), (24, 6)])
+def test_additive_state_split_into_segments_matches_reference(programs, segments, monkeypatch):
+    """Few long sequences of sGLA: the state recurrence runs in segments side by side, then the
+    join kernel adds each segment's start state (forced here at small sizes: 6 chunks of 64, the
+    last one partial, in 3 segments of 2 chunks or 6 of 1). Forward, final state and every
+    gradient (the backward recomputes the chunk-start states the same way) against the
+    reference: relative error <= 1e-5 in fp32."""
+    split = []
+    # Every import of the file (plain, and the remote-code package's): the custom op runs the
+    # first one's code.
+    for module in [m for name, m in sys.modules.items() if name.rpartition(".")[2] == "kernels_reslin_triton"]:
+        monkeypatch.setattr(module, "PARALLEL_PROGRAMS", programs)  # 4 programs run a sequence's tiles here
+        monkeypatch.setattr(module, "MIN_SEGMENT_CHUNKS", 1)
+        monkeypatch.setattr(module._ChunkRun, "advance_in_segments",
+                            lambda run, *args, original=module._ChunkRun.advance_in_segments:
+                            split.append(args[-1]) or original(run, *args))
+    x = on_device(make_inputs(2, 330, 2, 2, 32, 16, residual=False))
+    names = ("q", "k", "v", "g", "beta", "S0")
+    results = {}
+    for backend in ("recurrent", "triton"):
+        leaves = {n: x[n].detach().clone().requires_grad_() for n in names}
+        o, (S, _) = reslin_attention(*(leaves[n] for n in names[:5]), update="additive",
+                                     initial_state=(leaves["S0"], None), output_final_state=True, backend=backend)
+        gen = torch.Generator(device=DEVICE).manual_seed(1)
+        loss = (o * torch.randn(o.shape, device=DEVICE, generator=gen)).sum() + \
+            (S * torch.randn(S.shape, device=DEVICE, generator=gen)).sum()
+        results[backend] = [o, S, *torch.autograd.grad(loss, [leaves[n] for n in names])]
+    assert split == [segments, segments]  # the forward, and the backward's recompute
+    for label, got, ref in zip(("o", "S", *(f"d{n}" for n in names)), results["triton"], results["recurrent"]):
+        assert rel_err(got, ref) < 1e-5, f"{label}: {rel_err(got, ref):.2e}"

@@ -33,7 +33,7 @@ DTYPES = {"bf16": (tl.bfloat16, "*bf16"), "fp16": (tl.float16, "*fp16"), "fp32":
 INDEX_POINTERS = ("cu_seqlens_ptr", "chunk_seq_ptr", "chunk_offsets_ptr")
 # Pointers to the states, the gates and the fp32 gradient buffers; the others hold inputs or
 # buffers in the input dtype.
-FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "g_ptr", "strength_ptr", "residual_strength_ptr", "gamma_ptr",
+FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "segment_decay_ptr", "g_ptr", "strength_ptr", "residual_strength_ptr", "gamma_ptr",
                  "dS_ptr", "dR_ptr", "dh_next_ptr", "dU_ptr", "dh_next_residual_ptr", "dU_residual_ptr",
                  "residual_ptr", "dz_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
                  "dresidual_strength_ptr")
@@ -50,6 +50,8 @@ def launches(BK, BV_full, residual, fp32):
         # The forward's state kernel, and with the residual state its backward recompute (storing z).
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, STORE_Z=store_z), warps, stages)
           for store_z in ((False, True) if residual else (False,))],
+        # Few long sequences of the additive rule without R: the segments' join.
+        (kernels._chunk_state_join_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, backward_stages),
@@ -117,8 +119,9 @@ def main():
                         flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
                         if not delta and fn is kernels._chunk_wy_kernel or \
-                                not (delta or residual) and fn is kernels._chunk_gram_kernel:
-                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY
+                                not (delta or residual) and fn is kernels._chunk_gram_kernel or \
+                                (delta or residual) and fn is kernels._chunk_state_join_kernel:
+                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; only sGLA joins
                         label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
                                  f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}")
                         start = time.time()
