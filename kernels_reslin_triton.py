@@ -391,26 +391,32 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr
                         X_residual_ptr, W_residual_ptr, P_ptr, U_residual_ptr, h_residual_ptr, S_ptr, R_ptr,
                         z_ptr, cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV,
                         BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-                        DELTA: tl.constexpr, RESIDUAL: tl.constexpr, STORE_Z: tl.constexpr, VARLEN: tl.constexpr):
+                        DELTA: tl.constexpr, RESIDUAL: tl.constexpr, STORE_Z: tl.constexpr, S_FROM_H: tl.constexpr,
+                        VARLEN: tl.constexpr):
     """Chunk after chunk of one (sequence, value head, value tile): stores the chunk-start states
     h (and h of R) and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed where
     read), then S = e^(G_last) h + (e^(G_last - G) K)^T U. With the residual state it also forms
     pred_t = S_{t-1}^T k_t, z = v - pred (stored for the backward when STORE_Z), the clipped
     residual r, R's writes U0 - W h_R with U0 = X diag(b) r (every step is column-separable: the
-    value tile never needs the others), and advances R."""
+    value tile never needs the others), and advances R. With S_FROM_H (the additive rule's R
+    pass, after an S pass) S is not advanced but read from h, which holds it already."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
     state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
     tile = kcols[:, None] * DV + vcols[None, :]
-    S = tl.load(S_ptr + state_offsets, mask=tile_ok, other=0.0)
+    if not S_FROM_H:
+        S = tl.load(S_ptr + state_offsets, mask=tile_ok, other=0.0)
     if RESIDUAL:
         R = tl.load(R_ptr + state_offsets, mask=tile_ok, other=0.0)
     r = tl.arange(0, BC)
     for start in range(bos, eos, BC):
         h_offsets = (chunk * HV + head) * DK * DV + tile
-        tl.store(h_ptr + h_offsets, S.to(DT), mask=tile_ok)
+        if S_FROM_H:
+            S = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
+        else:
+            tl.store(h_ptr + h_offsets, S.to(DT), mask=tile_ok)
         rows = start + r
         row_ok = rows < eos
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
@@ -438,9 +444,11 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr
                 U_residual = _mm(X, U_residual, DT) - _mm(W, R, DT)
             _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, U_residual)
             R = tl.exp(G_last) * R + _mm(k_to_chunk_end, U_residual, DT)
-        S = tl.exp(G_last) * S + _mm(k_to_chunk_end, U, DT)
+        if not S_FROM_H:
+            S = tl.exp(G_last) * S + _mm(k_to_chunk_end, U, DT)
         chunk += 1
-    tl.store(S_ptr + state_offsets, S, mask=tile_ok)
+    if not S_FROM_H:
+        tl.store(S_ptr + state_offsets, S, mask=tile_ok)
     if RESIDUAL:
         tl.store(R_ptr + state_offsets, R, mask=tile_ok)
 
@@ -594,8 +602,6 @@ class _ChunkRun:
         q, k, v, g, beta = self.q, self.k, self.v, self.g, self.beta
         residual, delta = self.residual, self.delta
         empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=q.dtype)  # noqa: E731
-        self.S = S0.clone(memory_format=torch.contiguous_format)
-        self.R = R0.clone(memory_format=torch.contiguous_format) if residual else self.S
         self.h = empty(layout.num_chunks, HV, Dk, Dv)
         self.h_residual, self.U_residual = ((empty(layout.num_chunks, HV, Dk, Dv), empty(L, HV, Dv))
                                             if residual else (self.h, v))
@@ -628,36 +634,44 @@ class _ChunkRun:
             _chunk_wy_kernel[(layout.num_chunks, HV)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
                 **self.shape, BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
-        def advance(states, cu_seqlens, chunk_offsets, sequences, varlen):
-            """The state kernel from `states` (overwritten with the final ones) over sequences."""
+        def advance(states, residual_states, cu_seqlens, chunk_offsets, sequences, varlen, residual=residual,
+                    s_from_h=False):
+            """The state kernel from `states` and `residual_states` (overwritten with the final
+            ones) over `sequences`."""
             _chunk_state_kernel[(_cdiv(Dv, self.state_tile()), sequences * HV)](
                 k, v, g, beta, self.gamma_write, self.W, U0, self.U, self.h, self.X_residual, self.W_residual,
-                self.P, self.U_residual, self.h_residual, states, self.R, self.z, cu_seqlens, chunk_offsets, clip,
-                **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual, STORE_Z=store_z,
-                **{**common, "VARLEN": varlen}, num_warps=self.warps, num_stages=self.stages)
+                self.P, self.U_residual, self.h_residual, states, residual_states, self.z, cu_seqlens, chunk_offsets,
+                clip, **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual,
+                STORE_Z=store_z and residual, S_FROM_H=s_from_h, **{**common, "VARLEN": varlen},
+                num_warps=self.warps, num_stages=self.stages)
 
         segments = self.state_segments()
-        if segments == 1:
-            advance(self.S, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences, layout.varlen)
+        if segments == 1:  # the kernel advances the states in place, from copies of the initial ones
+            self.S = S0.clone(memory_format=torch.contiguous_format)
+            self.R = R0.clone(memory_format=torch.contiguous_format) if residual else self.S
+            advance(self.S, self.R, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences, layout.varlen)
         else:
-            self.advance_in_segments(advance, S0, segments)
+            self.S, self.R = self.advance_in_segments(advance, S0, R0, segments)
 
     def state_segments(self):
         """Segments each sequence's state recurrence is split into (1: not split). Few long
-        sequences leave most SMs idle along the sequential loop. The additive rule without R can
-        run segments side by side: its writes K^T U do not depend on the state (the delta rule's
-        U = U0 - W h and the residual rules' pred do)."""
+        sequences leave most SMs idle along the sequential loop. The additive rule's states can
+        run in segments side by side, S first, then R: S's writes K^T diag(b) V do not depend on
+        S, and R's depend on S alone (through pred), not on R. The delta rule's writes
+        U = U0 - W h do."""
         layout = self.layout
-        if self.delta or self.residual or layout.varlen:
+        if self.delta or layout.varlen:
             return 1
         programs = _cdiv(self.shape["DV"], self.state_tile()) * layout.num_sequences * self.shape["HV"]
         segments = min(PARALLEL_PROGRAMS // programs, layout.NT // MIN_SEGMENT_CHUNKS)
         return segments if segments >= 2 else 1
 
-    def advance_in_segments(self, advance, S0, segments):
+    def advance_in_segments(self, advance, S0, R0, segments):
         """The state kernel over every segment at once from zero states, then the join kernel:
         a segment's chunk-start states gain its start state (its row's initial state carried
-        through the segments before it), decayed to each chunk; the final states come last."""
+        through the segments before it), decayed to each chunk; the final states come last.
+        With R, the same again for R, its kernel reading S from the joined h. Returns the final
+        states (S, R), R being S without the residual state."""
         layout, HV, BC = self.layout, self.shape["HV"], self.chunk_size
         B, T, NT = layout.num_sequences, layout.T, layout.NT
         segment_chunks = _cdiv(NT, segments)
@@ -667,16 +681,27 @@ class _ChunkRun:
         starts = (rows * T + parts * segment_chunks * BC).flatten()  # a multiple of BC: the chunks stay
         cu_seqlens = torch.cat([starts, starts.new_full((1,), B * T)])
         chunk_offsets = (rows * NT + parts * segment_chunks).flatten()
-        ends = torch.zeros(B * segments, *S0.shape[1:], device=S0.device, dtype=torch.float32)
-        advance(ends, cu_seqlens, chunk_offsets, B * segments, True)
         padded = torch.nn.functional.pad(self.g.view(B, T, HV), (0, 0, 0, segments * segment_chunks * BC - T))
         segment_decay = padded.view(B, segments, segment_chunks * BC, HV).sum(2)  # log decay over each segment
-        S0 = S0.contiguous()
-        self.S = torch.empty_like(S0)  # not S0's copy: the join reads S0 while the last segments write S
-        _chunk_state_join_kernel[(_cdiv(self.shape["DV"], self.state_tile()), B * segments, HV)](
-            self.g, self.h, S0, ends, segment_decay, self.S, cu_seqlens, chunk_offsets, segments, HV,
-            self.shape["DK"], self.shape["DV"], BC=BC, BK=self.BK, BV=self.state_tile(), DT=self.DT,
-            num_warps=self.warps, num_stages=self.stages)
+        zeros = lambda: torch.zeros(B * segments, *S0.shape[1:], device=S0.device, dtype=torch.float32)  # noqa: E731
+
+        def join(h, initial, ends):
+            initial = initial.contiguous()
+            final = torch.empty_like(initial)  # not the initial state: the join reads it while the last segments write
+            _chunk_state_join_kernel[(_cdiv(self.shape["DV"], self.state_tile()), B * segments, HV)](
+                self.g, h, initial, ends, segment_decay, final, cu_seqlens, chunk_offsets, segments, HV,
+                self.shape["DK"], self.shape["DV"], BC=BC, BK=self.BK, BV=self.state_tile(), DT=self.DT,
+                num_warps=self.warps, num_stages=self.stages)
+            return final
+
+        ends = zeros()
+        advance(ends, ends, cu_seqlens, chunk_offsets, B * segments, True, residual=False)
+        S = join(self.h, S0, ends)
+        if not self.residual:
+            return S, S
+        residual_ends = zeros()
+        advance(ends, residual_ends, cu_seqlens, chunk_offsets, B * segments, True, s_from_h=True)
+        return S, join(self.h_residual, R0, residual_ends)
 
     def state_tile(self):
         """Value columns a program of the sequential kernels owns: few sequence-heads leave SMs

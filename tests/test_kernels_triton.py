@@ -135,35 +135,45 @@ def test_decode_step_checks_its_state():
 GRAD_CASES = CHUNK_CASES + [(2, 1, 2, 2, 16, 16, None)]  # and one token
 
 
+def outputs_and_gradients(x, update, residual, cu_seqlens, backend):
+    """(labels, tensors) of one backend: o, S (and R), then the gradient of every input and
+    initial state present, for a random weighting of the output and of the final states, with
+    a clip (0.5) that clips part of the residuals."""
+    names = [n for n in ("q", "k", "v", "g", "beta", "gamma", "gamma_write", "S0", "R0") if x[n] is not None]
+    leaves = {n: x[n].detach().clone().requires_grad_() if n in names else None for n in x}
+    o, (S, R) = reslin_attention(*(leaves[n] for n in ("q", "k", "v", "g", "beta", "gamma")), update=update, clip=0.5,
+                                 initial_state=(leaves["S0"], leaves["R0"]), output_final_state=True,
+                                 cu_seqlens=cu_seqlens, backend=backend, gamma_write=leaves["gamma_write"])
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    weigh = lambda t: (t * torch.randn(t.shape, device=DEVICE, generator=gen)).sum()  # noqa: E731
+    loss = weigh(o) + weigh(S) + (weigh(R) if residual else 0)
+    outputs = [o, S] + ([R] if residual else [])
+    labels = ["o", "S"] + (["R"] if residual else []) + [f"d{n}" for n in names]
+    return labels, outputs + list(torch.autograd.grad(loss, [leaves[n] for n in names]))
+
+
 @pytest.mark.parametrize("case", GRAD_CASES, ids=["batch", "varlen", "one_token"])
 @pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
 def test_chunked_backward_matches_reference(name, update, residual, kaczmarz, case):
     """Gradients of every input and initial state through the Triton backward against autograd
-    through the per-token reference, for a random weighting of the output and of the final
-    states, with a clip (0.5) that clips part of the residuals: relative error <= 1e-5 in fp32."""
+    through the per-token reference (`outputs_and_gradients`): relative error <= 1e-5 in fp32."""
     x, cu_seqlens = case_inputs(case, residual, kaczmarz)
-    names = [n for n in ("q", "k", "v", "g", "beta", "gamma", "gamma_write", "S0", "R0") if x[n] is not None]
-    results = {}
-    for backend in ("recurrent", "triton"):
-        leaves = {n: x[n].detach().clone().requires_grad_() if n in names else None for n in x}
-        o, (S, R) = reslin_attention(*(leaves[n] for n in ("q", "k", "v", "g", "beta", "gamma")), update=update,
-                                     clip=0.5, initial_state=(leaves["S0"], leaves["R0"]), output_final_state=True,
-                                     cu_seqlens=cu_seqlens, backend=backend, gamma_write=leaves["gamma_write"])
-        gen = torch.Generator(device=DEVICE).manual_seed(1)
-        weigh = lambda t: (t * torch.randn(t.shape, device=DEVICE, generator=gen)).sum()  # noqa: E731
-        loss = weigh(o) + weigh(S) + (weigh(R) if residual else 0)
-        results[backend] = torch.autograd.grad(loss, [leaves[n] for n in names])
-    for n, got, ref in zip(names, results["triton"], results["recurrent"]):
-        assert rel_err(got, ref) < 1e-5, f"d{n}: {rel_err(got, ref):.2e}"
+    labels, ref = outputs_and_gradients(x, update, residual, cu_seqlens, "recurrent")
+    _, got = outputs_and_gradients(x, update, residual, cu_seqlens, "triton")
+    for label, a, b in zip(labels, got, ref):
+        assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
 
 
 @pytest.mark.parametrize("programs,segments", [(12, 3), (24, 6)])
-def test_additive_state_split_into_segments_matches_reference(programs, segments, monkeypatch):
-    """Few long sequences of sGLA: the state recurrence runs in segments side by side, then the
-    join kernel adds each segment's start state (forced here at small sizes: 6 chunks of 64, the
-    last one partial, in 3 segments of 2 chunks or 6 of 1). Forward, final state and every
-    gradient (the backward recomputes the chunk-start states the same way) against the
-    reference: relative error <= 1e-5 in fp32."""
+@pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "additive"])
+def test_additive_states_split_into_segments_match_reference(name, update, residual, kaczmarz, programs, segments,
+                                                             monkeypatch):
+    """Few long sequences of the additive rule: S's recurrence runs in segments side by side,
+    then the join kernel adds each segment's start state; with R, R's the same way, after S
+    (forced here at small sizes: 6 chunks of 64, the last one partial, in 3 segments of 2 chunks
+    or 6 of 1). Outputs, final states and every gradient (the backward recomputes the chunk-start
+    states the same way) against the reference:
+    relative error <= 1e-5 in fp32 (`outputs_and_gradients`)."""
     split = []
     # Every import of the file (plain, and the remote-code package's): the custom op runs the
     # first one's code.
@@ -173,17 +183,9 @@ def test_additive_state_split_into_segments_matches_reference(programs, segments
         monkeypatch.setattr(module._ChunkRun, "advance_in_segments",
                             lambda run, *args, original=module._ChunkRun.advance_in_segments:
                             split.append(args[-1]) or original(run, *args))
-    x = on_device(make_inputs(2, 330, 2, 2, 32, 16, residual=False))
-    names = ("q", "k", "v", "g", "beta", "S0")
-    results = {}
-    for backend in ("recurrent", "triton"):
-        leaves = {n: x[n].detach().clone().requires_grad_() for n in names}
-        o, (S, _) = reslin_attention(*(leaves[n] for n in names[:5]), update="additive",
-                                     initial_state=(leaves["S0"], None), output_final_state=True, backend=backend)
-        gen = torch.Generator(device=DEVICE).manual_seed(1)
-        loss = (o * torch.randn(o.shape, device=DEVICE, generator=gen)).sum() + \
-            (S * torch.randn(S.shape, device=DEVICE, generator=gen)).sum()
-        results[backend] = [o, S, *torch.autograd.grad(loss, [leaves[n] for n in names])]
+    x = on_device(make_inputs(2, 330, 2, 2, 32, 16, residual, kaczmarz=kaczmarz))
+    labels, ref = outputs_and_gradients(x, update, residual, None, "recurrent")
+    _, got = outputs_and_gradients(x, update, residual, None, "triton")
     assert split == [segments, segments]  # the forward, and the backward's recompute
-    for label, got, ref in zip(("o", "S", *(f"d{n}" for n in names)), results["triton"], results["recurrent"]):
-        assert rel_err(got, ref) < 1e-5, f"{label}: {rel_err(got, ref):.2e}"
+    for label, a, b in zip(labels, got, ref):
+        assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"

@@ -48,9 +48,12 @@ def launches(BK, BV_full, residual, fp32):
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK), 2, 3),
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
         # The forward's state kernel, and with the residual state its backward recompute (storing z).
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, STORE_Z=store_z), warps, stages)
-          for store_z in ((False, True) if residual else (False,))],
-        # Few long sequences of the additive rule without R: the segments' join.
+        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, STORE_Z=store_z, S_FROM_H=False), warps,
+           stages) for store_z in ((False, True) if residual else (False,))],
+        # Few long sequences of the additive rule: R's pass in segments (reading S from h), and
+        # the segments' join.
+        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, STORE_Z=store_z, S_FROM_H=True), warps,
+           stages) for store_z in ((False, True) if residual else ())],
         (kernels._chunk_state_join_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
@@ -120,10 +123,11 @@ def main():
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
                         if not delta and fn is kernels._chunk_wy_kernel or \
                                 not (delta or residual) and fn is kernels._chunk_gram_kernel or \
-                                (delta or residual) and fn is kernels._chunk_state_join_kernel:
-                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; only sGLA joins
+                                delta and (fn is kernels._chunk_state_join_kernel or constexprs.get("S_FROM_H")):
+                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
                         label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
-                                 f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}")
+                                 f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
+                                 f"{' s_from_h' if constexprs.get('S_FROM_H') else ''}")
                         start = time.time()
                         try:
                             compiled = compile_variant(fn, constexprs, pointer_type, warps, stages, head_size)
