@@ -139,6 +139,11 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 #       never leave registers, only R's writes and chunk-start states are stored;
 #   _chunk_output_kernel, every chunk at once: o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U,
 #       for the residual rules the exclusive base read plus gamma times R's read.
+# Few long sequences of the additive rule (sGLA, RLA) leave most SMs idle along the state loop:
+# there it runs on segments of each sequence side by side from zero states, and
+# _chunk_state_join_kernel adds each segment's true start state, decayed, to its chunk-start
+# states (S is linear in its start state); RLA then runs R's loop the same way, reading S from
+# the joined h (_ChunkRun.state_segments says when, and why not for the delta rule).
 # Precision: states, decays and the inverse's blocks in fp32 (merged with tf32 dots for bf16/fp16
 # inputs); the large dots take their operands in the input dtype (bf16/fp16 tensor cores, fp32
 # accumulation); everything is exact fp32 ("ieee") for fp32 inputs. T^-1, P, W, U0, U and h are
