@@ -147,7 +147,8 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 # Precision: states, decays and the inverse's blocks in fp32 (merged with tf32 dots for bf16/fp16
 # inputs); the large dots take their operands in the input dtype (bf16/fp16 tensor cores, fp32
 # accumulation); everything is exact fp32 ("ieee") for fp32 inputs. T^-1, P, W, U0, U and h are
-# stored in the input dtype.
+# stored in the input dtype (a joined segment's h twice: before and after its start state is
+# added; final states stay fp32 throughout).
 # ---------------------------------------------------------------------------------------------
 
 CHUNK_SIZE = 64
