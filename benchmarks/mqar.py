@@ -56,10 +56,16 @@ OMP_NUM_THREADS=1 (oversubscribed threads made steps ~20x slower here).
 
     python benchmarks/mqar.py --device cuda --attn-types gdn kla rdn rkla --out out/mqar_seed42.json
     python benchmarks/mqar.py --device cuda --attn-types kla --lr 3e-4 1e-3 3e-3 --seed 1 --out out/mqar_kla_seed1.json
+    python benchmarks/mqar.py --device cuda --attn-types rdn --steps 1000 --compile   # the step through inductor
     python benchmarks/mqar.py --smoke    # tiny sizes on the CPU, seconds
+
+--compile (not yet timed on a GPU) fuses the step's small kernels, of which the host launches
+~700: it should shorten a host-bound step, at the cost of a compilation per process (inductor's
+cache on disk serves later processes with the same graph).
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -171,9 +177,15 @@ def shuffled_batches(num_examples, steps, batch_size, generator):
     return order[:steps * batch_size].view(steps, batch_size)
 
 
-def train(model, train_set, batches, peak_lr, log_every):
+def train(model, train_set, batches, peak_lr, log_every, compile_backend=None):
     """AdamW with warmup and cosine decay over `batches`. Returns (the mean loss of the last
-    `log_every` steps, ms per step after the first log: without the first steps' compilation)."""
+    `log_every` steps, ms per step after the first log: without the first steps' compilation).
+    With `compile_backend` the training forward runs through torch.compile (one graph: the
+    inputs' shape never changes), which fuses the small elementwise kernels that bound a step of
+    this small model by the host; the evaluation's longer inputs run eagerly."""
+    forward = functools.partial(answer_logits, model)
+    if compile_backend is not None:
+        forward = torch.compile(forward, fullgraph=True, backend=compile_backend)
     inputs, query_positions, answers = train_set
     device, steps = inputs.device, len(batches)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -190,7 +202,7 @@ def train(model, train_set, batches, peak_lr, log_every):
             group["lr"] = learning_rate(peak_lr, step, step / steps, round(WARMUP_FRACTION * steps), 0.0)
         batch = batches[step]
         with autocast(device):
-            logits = answer_logits(model, inputs[batch], query_positions[batch])
+            logits = forward(inputs[batch], query_positions[batch])
         loss = F.cross_entropy(logits.float().flatten(0, 1), answers[batch].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
@@ -218,14 +230,16 @@ def run(attn_type, peak_lr, args, model_shape, train_set, batches, eval_sets, de
     model = build_model(attn_type, model_shape, args.kernel_backend, args.seed, device)
     synchronize(device)
     start = time.perf_counter()
-    final_loss, ms_per_step = train(model, train_set, batches, peak_lr, log_every=max(1, len(batches) // 10))
+    final_loss, ms_per_step = train(model, train_set, batches, peak_lr, log_every=max(1, len(batches) // 10),
+                                    compile_backend=args.compile)
     synchronize(device)
     train_seconds = time.perf_counter() - start
     start = time.perf_counter()
     acc = {f"{factor}x": accuracy(model, *eval_sets[factor]) for factor in LENGTH_FACTORS}
     eval_seconds = time.perf_counter() - start
     run_seconds = time.perf_counter() - run_start
-    record = dict(attn_type=attn_type, lr=peak_lr, seed=args.seed, accuracy=acc, final_loss=final_loss,
+    record = dict(attn_type=attn_type, lr=peak_lr, seed=args.seed, compile=args.compile, accuracy=acc,
+                  final_loss=final_loss,
                   train_seconds=round(train_seconds, 2), ms_per_step=round(ms_per_step, 2),
                   eval_seconds=round(eval_seconds, 2), run_seconds=round(run_seconds, 2))
     print(f"{attn_type:5s} lr {peak_lr:.0e}  " + "  ".join(f"{k} {100 * v:6.2f}%" for k, v in acc.items())
@@ -246,6 +260,8 @@ def main(argv=None):
     parser.add_argument("--kv-pairs", type=int, help=f"default {PAPER_TASK['kv_pairs']}")
     parser.add_argument("--eval-examples", type=int, help=f"per length (default {PAPER_TASK['eval_examples']})")
     parser.add_argument("--out", default=os.path.join(REPO, "out", "mqar.json"), help="JSON results")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="train through torch.compile (backend: inductor when given alone)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and task: seconds on a CPU")
     args = parser.parse_args(argv)
 
