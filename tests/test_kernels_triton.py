@@ -164,14 +164,14 @@ def test_chunked_backward_matches_reference(name, update, residual, kaczmarz, ca
         assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
 
 
-@pytest.mark.parametrize("programs,segments", [(12, 3), (24, 6)])
+@pytest.mark.parametrize("programs,segments", [(16, 4), (24, 6)])
 @pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "additive"])
 def test_additive_states_split_into_segments_match_reference(name, update, residual, kaczmarz, programs, segments,
                                                              monkeypatch):
     """Few long sequences of the additive rule: S's recurrence runs in segments side by side,
     then the join kernel adds each segment's start state; with R, R's the same way, after S
-    (forced here at small sizes: 6 chunks of 64, the last one partial, in 3 segments of 2 chunks
-    or 6 of 1). Outputs, final states and every gradient (the backward recomputes the chunk-start
+    (forced here at small sizes: 6 chunks of 64, the last one partial; 4 segments asked for give
+    3 of 2 chunks, 6 give 6 of 1). Outputs, final states and every gradient (the backward recomputes the chunk-start
     states the same way) against the reference:
     relative error <= 1e-5 in fp32 (`outputs_and_gradients`)."""
     split = []
