@@ -1,9 +1,14 @@
 """Chunked forward (no gradient), or with --backward forward + backward, of reslin_attention against
 FLA 0.6.0's chunked kernels, same GPU, same run.
 
-For each rule and shape (bf16 q, k, v; fp32 gates; H heads, Dk = Dv = D) it prints the median
-time of `reslin_attention(..., backend=--backend)` and of FLA's kernel for the same recurrence
-or its nearest one, when FLA is importable (carried as wheels):
+For each rule and shape (bf16 q, k, v; fp32 gates; H heads, Dk = Dv = D) it prints the time of
+`reslin_attention(..., backend=--backend)` and of FLA's kernel for the same recurrence or its
+nearest one, when FLA is importable (carried as wheels). Every call of a shape is timed in
+--rounds interleaved rounds (each the median of --repeats calls) and the median round is kept:
+FLA's calls are partly bound by their host side, and one timing per row varied up to 1.9x for
+the same call (session 5). FLA is timed once per baseline and shape, on the inputs of the first
+rule compared with it (its time does not depend on the values), so every row of a baseline
+shares one denominator:
 
     rule   FLA baseline              inputs given to FLA
     gdn    chunk_gated_delta_rule    the same q, k, v, g, beta (the same recurrence)
@@ -37,6 +42,7 @@ rkla is reported against chunk_gated_delta_rule without a goal.
 
 import argparse
 import contextlib
+import statistics
 
 import torch
 
@@ -109,38 +115,51 @@ def main():
     parser.add_argument("--rules", nargs="+", choices=list(RULES), default=list(RULES))
     parser.add_argument("--backend", default="triton", choices=["triton", "torch"])
     parser.add_argument("--backward", action="store_true", help="time forward + backward (a training call)")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="calls per timing (their median)")
+    parser.add_argument("--rounds", type=int, default=3, help="timings of every call, interleaved")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script itself")
     args = parser.parse_args()
     if args.shapes is None:
         args.shapes = BACKWARD_SHAPES if args.backward else SHAPES
     if args.smoke:
-        args.shapes, args.heads, args.dim, args.repeats = [(1, 70)], 2, 32, 1
+        args.shapes, args.heads, args.dim, args.repeats, args.rounds = [(1, 70)], 2, 32, 1, 2
 
     fla = import_fla()
     note = lift_fla_backward_guard() if fla is not None and args.backward else None
     goals = BACKWARD_GOALS if args.backward else GOALS
     H, D = args.heads, args.dim
     what = "forward + backward" if args.backward else "forward"
-    print_header(f"reslin_attention {what}, backend {args.backend!r}, H={H} Dk=Dv={D}, "
-                 f"median of {args.repeats} after warm-up")
+    print_header(f"reslin_attention {what}, backend {args.backend!r}, H={H} Dk=Dv={D}, median over "
+                 f"{args.rounds} interleaved rounds of the median of {args.repeats} calls, after warm-up")
+    print("FLA's time is one figure per baseline and shape, shared by the rules compared with it; its range "
+          "over the rounds beside it (host-bound calls vary)")
     if note:
         print(note)
-    print(f"{'rule':5} {'shape':>9} {'ours ms':>9}   {'FLA baseline':22} {'FLA ms':>8} {'ours/FLA':>9}   goal")
+    print(f"{'rule':5} {'shape':>9} {'ours ms':>9}   {'FLA baseline':22} {'FLA ms':>8} {'FLA range':>15} "
+          f"{'ours/FLA':>9}   goal")
     torch.manual_seed(0)
     with contextlib.nullcontext() if args.backward else torch.no_grad():
-        for rule in args.rules:
-            for B, T in args.shapes:
-                ours_call, fla_call = rule_calls(fla, rule, B, T, H, D, args.backend, args.backward)
-                ours = median_ms(ours_call, args.repeats)
+        for B, T in args.shapes:
+            calls = {rule: rule_calls(fla, rule, B, T, H, D, args.backend, args.backward) for rule in args.rules}
+            baselines = {}  # FLA's call on the inputs of the first rule that uses it (its time is data-blind)
+            for _, fla_call in calls.values():
+                if fla_call is not None:
+                    baselines.setdefault(*fla_call)
+            times = {name: [] for name in (*calls, *baselines)}
+            for _ in range(args.rounds):
+                for name, call in [(rule, ours) for rule, (ours, _) in calls.items()] + list(baselines.items()):
+                    times[name].append(median_ms(call, args.repeats))
+            for rule, (_, fla_call) in calls.items():
+                ours = statistics.median(times[rule])
                 line = f"{rule:5} {f'{B}x{T}':>9} {ours:9.3f}"
                 if fla_call is not None:
-                    name, call = fla_call
-                    theirs = median_ms(call, args.repeats)
+                    name = fla_call[0]
+                    theirs = statistics.median(times[name])
                     ratio = ours / theirs
                     goal = goals[rule]
                     verdict = "none" if goal is None else f"<= {goal:.1f}x {'met' if ratio <= goal else 'NOT met'}"
-                    line += f"   {name:22} {theirs:8.3f} {ratio:8.2f}x   {verdict}"
+                    spread = f"{min(times[name]):.3f}-{max(times[name]):.3f}"
+                    line += f"   {name:22} {theirs:8.3f} {spread:>15} {ratio:8.2f}x   {verdict}"
                 print(line, flush=True)
 
 

@@ -13,7 +13,7 @@
 #   suite        the whole test suite, compiled kernels (600)
 #   convert      the conversion test against FLA's GPU kernels (300)
 #   forward      benchmarks/bench_forward.py (240)
-#   backward     benchmarks/bench_forward.py --backward (300)
+#   backward     benchmarks/bench_forward.py --backward (420)
 #   kernels      benchmarks/kernel_times.py, forward and backward (300)
 #   decode       benchmarks/bench_decode.py (180)
 #   generate     benchmarks/bench_generate.py (600)
@@ -58,7 +58,7 @@ for name in "$@"; do
     suite) job suite 600 python3 -m pytest -q -n 6 -p no:cacheprovider ;;
     convert) job convert 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_convert.py -k gpu_bf16 ;;
     forward) job forward 240 python3 benchmarks/bench_forward.py ;;
-    backward) job backward 300 python3 benchmarks/bench_forward.py --backward ;;
+    backward) job backward 420 python3 benchmarks/bench_forward.py --backward ;;
     kernels) job kernels 300 bash -c "python3 benchmarks/kernel_times.py && python3 benchmarks/kernel_times.py --backward --shapes 8x2048" ;;
     decode) job decode 180 python3 benchmarks/bench_decode.py ;;
     generate) job generate 600 python3 benchmarks/bench_generate.py ;;
