@@ -288,15 +288,28 @@ def build_data_cache(folder, documents, skipped, args):
 def packed_batch(rows, device):
     """Rows of token ids laid end to end in one packed row: input_ids, position_ids (restarting at
     0 at each row start and each <bos>, which starts every document) and labels (-100 at every
-    sequence start, the one token nothing predicts), each [1, total length]."""
+    sequence start, the one token nothing predicts), each [1, total length]; and cu_seq_lens_q."""
     input_ids = torch.from_numpy(np.concatenate(rows).astype(np.int64))
     index = torch.arange(len(input_ids))
     starts = input_ids == BOS_ID
     starts[torch.tensor([0] + [len(row) for row in rows[:-1]]).cumsum(0)] = True
     position_ids = index - torch.where(starts, index, 0).cummax(0).values
     labels = input_ids.masked_fill(position_ids == 0, -100)
-    return {name: tensor[None].to(device) for name, tensor in
-            (("input_ids", input_ids), ("position_ids", position_ids), ("labels", labels))}
+    batch = {"input_ids": input_ids[None], "position_ids": position_ids[None], "labels": labels[None]}
+    return on_device(with_sequence_starts(batch), device)
+
+
+def with_sequence_starts(batch):
+    """The batch with cu_seq_lens_q, its sequences' bounds, found here on the host from its
+    position_ids: the model would otherwise find them on the device, a sync per step and a break
+    in a torch.compile graph."""
+    position_ids = batch["position_ids"][0]
+    starts = (position_ids == 0).nonzero().flatten()
+    return {**batch, "cu_seq_lens_q": torch.cat([starts, starts.new_tensor([len(position_ids)])])}
+
+
+def on_device(batch, device):
+    return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
 class TrainBatches:
@@ -327,7 +340,8 @@ class TrainBatches:
         rows = [self.rows[self.order(epoch)[i]] for epoch, i in (divmod(p, len(self.rows)) for p in positions)]
         batch = packed_batch(rows, torch.device("cpu"))
         num_predicted = int((batch["labels"] != -100).sum())
-        return {name: tensor[:, self.share].to(self.device) for name, tensor in batch.items()}, num_predicted
+        share = {name: batch[name][:, self.share] for name in ("input_ids", "position_ids", "labels")}
+        return on_device(with_sequence_starts(share), self.device), num_predicted
 
 
 def validation_batches(stream, seq_len, batch_size, max_tokens, device, rank=0, num_processes=1):

@@ -113,6 +113,8 @@ def test_packed_batch_restarts_positions_and_masks_labels():
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 0, 1, 0, 1]]
     # A sequence's first token (a row start or a <bos>) is predicted by nothing before it.
     assert batch["labels"].tolist() == [[-100, 6, 2, -100, 7, 8, -100, 2, -100, 3]]
+    # The sequences' bounds, found on the host: the model needs no device sync for them.
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 6, 8, 10]
 
 
 @pytest.mark.parametrize("attn_type", ATTN_TYPES)

@@ -211,8 +211,10 @@ def test_processes_share_each_batch_as_one_process_takes_it(corpus, data_dir):
         batch, predicted = whole(step)
         shares = [half(step) for half in halves]
         assert [count for _, count in shares] == [predicted] * 2 == [int((batch["labels"] != -100).sum())] * 2
-        for name, tensor in batch.items():
-            assert torch.equal(torch.cat([share[name] for share, _ in shares], dim=1), tensor)
+        for name in TOKEN_TENSORS:
+            assert torch.equal(torch.cat([share[name] for share, _ in shares], dim=1), batch[name])
+        for share, _ in shares:
+            assert_sequence_starts(share)
         own_counts = [int((share["labels"] != -100).sum()) for share, _ in shares]
         uneven += own_counts[0] != own_counts[1]
     assert uneven >= 3  # the corpus does what the module docstring says
@@ -227,8 +229,20 @@ def test_processes_share_each_batch_as_one_process_takes_it(corpus, data_dir):
             assert torch.equal(first["input_ids"], batch["input_ids"])
             assert second["input_ids"].item() == batch["input_ids"][0, 0].item()
         else:
-            for name, tensor in batch.items():
-                assert torch.equal(torch.cat([first[name], second[name]], dim=1), tensor)
+            for name in TOKEN_TENSORS:
+                assert torch.equal(torch.cat([first[name], second[name]], dim=1), batch[name])
+        for share in (first, second):
+            assert_sequence_starts(share)
+
+
+TOKEN_TENSORS = ("input_ids", "position_ids", "labels")
+
+
+def assert_sequence_starts(batch):
+    """cu_seq_lens_q: where the batch's position_ids restart at 0, then its length."""
+    positions = batch["position_ids"][0]
+    starts = [i for i, position in enumerate(positions.tolist()) if position == 0]
+    assert batch["cu_seq_lens_q"].tolist() == starts + [len(positions)]
 
 
 @pytest.mark.gpu
