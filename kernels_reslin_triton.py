@@ -463,11 +463,11 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr
 def _chunk_state_join_kernel(g_ptr, h_ptr, S0_ptr, ends_ptr, segment_decay_ptr, S_ptr, cu_seqlens_ptr,
                              chunk_offsets_ptr, SEGMENTS, HV, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
                              BV: tl.constexpr, DT: tl.constexpr):
-    """Joins the segments that `_chunk_state_kernel` ran from zero states (additive rule, no R):
-    S is linear in its start state, so the true chunk-start state of chunk c of a segment is
-    h_c + e^(G from the segment's start to c) S_start, with S_start = e^(G over the segment
-    before) S_start(before) + that segment's end state, from the row's initial state on. The
-    row's last segment writes the final state."""
+    """Joins the segments that `_chunk_state_kernel` ran from zero states (additive rule: S, or R
+    once S is joined). The state is linear in its start state, so the true chunk-start state of
+    chunk c of a segment is h_c + e^(G from the segment's start to c) S_start, with S_start =
+    e^(G over the segment before) S_start(before) + that segment's end state, from the row's
+    initial state on. The row's last segment writes the final state."""
     value_tile, segment, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row, part = segment // SEGMENTS, segment % SEGMENTS
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
