@@ -9,6 +9,7 @@ written exactly once.
 
 import functools
 import hashlib
+import os
 from typing import List, Optional, Tuple
 
 try:
@@ -140,7 +141,7 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 #   _chunk_output_kernel, every chunk at once: o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U,
 #       for the residual rules the exclusive base read plus gamma times R's read.
 # Few long sequences of the additive rule (sGLA, RLA) leave most SMs idle along the state loop:
-# there it runs on segments of each sequence side by side from zero states, and
+# with RESLIN_SPLIT_STATE_LOOPS=1 (off until verified on a GPU) it runs on segments of each sequence side by side from zero states, and
 # _chunk_state_join_kernel adds each segment's true start state, decayed, to its chunk-start
 # states (S is linear in its start state); RLA then runs R's loop the same way, reading S from
 # the joined h (_ChunkRun.state_segments says when, and why not for the delta rule).
@@ -155,7 +156,9 @@ CHUNK_SIZE = 64
 BLOCK = 16  # T^-1 is built from BLOCK x BLOCK blocks: CHUNK_SIZE = 4 * BLOCK
 
 # The additive rule's state recurrence over few long sequences is split into segments (see
-# _ChunkRun.state_segments) until about this many programs run it: ~4 per SM of an H200.
+# _ChunkRun.state_segments) until about this many programs run it: ~4 per SM of an H200. Off
+# unless RESLIN_SPLIT_STATE_LOOPS=1: tested in Triton's interpreter, not yet on a GPU.
+SPLIT_STATE_LOOPS = os.environ.get("RESLIN_SPLIT_STATE_LOOPS") == "1"
 PARALLEL_PROGRAMS = 512
 MIN_SEGMENT_CHUNKS = 16
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -666,7 +669,7 @@ class _ChunkRun:
         S, and R's depend on S alone (through pred), not on R. The delta rule's writes
         U = U0 - W h do."""
         layout = self.layout
-        if self.delta or layout.varlen:
+        if not SPLIT_STATE_LOOPS or self.delta or layout.varlen:
             return 1
         programs = _cdiv(self.shape["DV"], self.state_tile()) * layout.num_sequences * self.shape["HV"]
         segments = min(PARALLEL_PROGRAMS // programs, layout.NT // MIN_SEGMENT_CHUNKS)
