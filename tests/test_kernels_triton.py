@@ -178,7 +178,7 @@ def test_additive_states_split_into_segments_match_reference(name, update, resid
     # Every import of the file (plain, and the remote-code package's): the custom op runs the
     # first one's code.
     for module in [m for name, m in sys.modules.items() if name.rpartition(".")[2] == "kernels_reslin_triton"]:
-        monkeypatch.setattr(module, "SPLIT_STATE_LOOPS", True)
+        monkeypatch.setattr(module, "MIN_SEGMENTS", 2)
         monkeypatch.setattr(module, "PARALLEL_PROGRAMS", programs)  # 4 programs run a sequence's tiles here
         monkeypatch.setattr(module, "MIN_SEGMENT_CHUNKS", 1)
         monkeypatch.setattr(module._ChunkRun, "advance_in_segments",
