@@ -86,10 +86,15 @@ def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_st
             raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
             raise ValueError("cu_seqlens must be a 1-D integer tensor [0, ..., T] of length N + 1")
-        bounds = sequence_bounds(cu_seqlens)
-        if bounds[0] != 0 or bounds[-1] != T or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
-            raise ValueError(f"cu_seqlens must start at 0, end at T = {T} and never decrease, got {bounds}")
-        N = len(bounds) - 1
+        message = f"cu_seqlens must start at 0, end at T = {T} and never decrease"
+        if torch.compiler.is_compiling():
+            # Reading the values on the host would break torch.compile's graph: the device checks them.
+            torch._assert_async((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T) & (cu_seqlens.diff() >= 0).all(), message)
+        else:
+            bounds = sequence_bounds(cu_seqlens)
+            if bounds[0] != 0 or bounds[-1] != T or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+                raise ValueError(f"{message}, got {bounds}")
+        N = cu_seqlens.numel() - 1
 
     if initial_state is not None:
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:

@@ -87,7 +87,7 @@ CHECKPOINT = "checkpoint.pt"
 # What a resumed run may change; every other argument must be the checkpoint's, or the resumed
 # run would not continue the same run.
 CHANGEABLE_ON_RESUME = {"resume", "max_steps", "time_budget", "eval_interval", "eval_tokens", "save_interval",
-                        "data_dir", "device"}
+                        "data_dir", "device", "compile"}
 
 
 def fail(message):
@@ -128,6 +128,9 @@ def parse_args(argv=None):
     training.add_argument("--time-budget", type=float, default=None, help="minutes of training, evaluations included")
     training.add_argument("--seed", type=int, default=0)
     training.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    training.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                          help="run the model through torch.compile (inductor when given alone): one fused kernel "
+                               "where eager PyTorch makes many small elementwise passes")
     training.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                           help="one process: any device; several: cuda (each takes its LOCAL_RANK's GPU) or cpu")
     training.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
@@ -162,6 +165,9 @@ def parse_args(argv=None):
         parser.error(f"--time-budget must be > 0 minutes, got {args.time_budget}")
     if not args.lr > 0 or not 0 <= args.min_lr_ratio <= 1 or not 0 <= args.beta2 < 1:
         parser.error("need --lr > 0, 0 <= --min-lr-ratio <= 1 and 0 <= --beta2 < 1")
+    if args.compile and args.compile not in torch._dynamo.list_backends(exclude_tags=()):
+        parser.error(f"--compile {args.compile}: torch.compile has no such backend (it has "
+                     f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))})")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here")
     if args.out_dir.resolve() == REPO:
@@ -649,6 +655,9 @@ def train(args, argv, accelerator):
         # take whichever this version has.
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model.train()
+    if args.compile:
+        # In place, so that the state dict's names stay those of the model (no _orig_mod prefix).
+        model.compile(backend=args.compile)
     optimizer = build_optimizer(model, args, device)
     parameters = sum(p.numel() for p in model.parameters())
     model_class = type(model)

@@ -245,6 +245,18 @@ def test_gradient_checkpointing_changes_no_loss(corpus, data_dir, tmp_path):
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
+def test_compiled_training_gives_the_eager_losses(corpus, data_dir, tmp_path):
+    """--compile: the model through torch.compile trains as it does eagerly. Here with the Triton
+    kernels (in their interpreter) through their custom ops, in aot_eager (inductor's CPU code
+    generation would take minutes): the path a GPU compiles with inductor. Relative 1e-5."""
+    losses = []
+    for extra in ([], ["--compile", "aot_eager"]):
+        metrics = train.main(tiny_run_args(corpus, data_dir, tmp_path / str(len(losses)), "--max-steps", "2",
+                                           "--kernel-backend", "triton", *extra))
+        losses.append([entry["loss"] for entry in metrics["train"]] + [metrics["final_validation"]["loss"]])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
 def test_time_budget_ends_the_run(corpus, data_dir, tmp_path):
     metrics = train.main(tiny_run_args(corpus, data_dir, tmp_path / "out", "--time-budget", "1e-4"))
     assert metrics["step"] >= 1 and "final_validation" in metrics
@@ -265,6 +277,7 @@ def error_of(argv, capsys):
     (["--val-fraction", "1"], "--val-fraction must lie strictly between 0 and 1"),
     (["--head-dim", "300"], "no valid ResLinConfig: head_dim must be an integer between 1 and 256"),
     (["--seq-len", "100000"], "fewer than --seq-len 100000"),
+    (["--compile", "nonsense"], "--compile nonsense: torch.compile has no such backend"),
 ])
 def test_bad_flags_fail_clearly(corpus, data_dir, tmp_path, capsys, extra, message):
     argv = tiny_run_args(corpus, data_dir, tmp_path / "out", *extra)
