@@ -76,6 +76,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import mqar  # noqa: E402  (a sibling script: benchmarks/ is on sys.path)
@@ -120,7 +122,7 @@ def parse_args(argv=None):
     parser.add_argument("--train-args", default="", help="more train.py flags for every LM run, as one string")
     parser.add_argument("--mqar-args", default="", help="more benchmarks/mqar.py flags for every MQAR run")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="runs at once, each its own process (default 1): small models leave a GPU mostly idle")
+                        help="runs at once, each its own process (default 1), spread over the visible GPUs")
     parser.add_argument("--start-within", type=float, default=None, metavar="MINUTES",
                         help="with --jobs: start no run after this many minutes, so that a time-limited call ends "
                              "with whole runs (an MQAR run cut short leaves nothing)")
@@ -278,6 +280,16 @@ def run_mqar_part(extra_args, rules, seeds, results):
         os.replace(partial, path)
 
 
+def visible_gpus():
+    """The GPUs to spread concurrent runs over, as values of CUDA_VISIBLE_DEVICES; [None] without
+    CUDA (the runs then share the CPU)."""
+    count = torch.cuda.device_count()
+    if count == 0:
+        return [None]
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return listed.split(",")[:count] if listed else [str(index) for index in range(count)]
+
+
 def run_concurrently(args, configs, lm_rules, mqar_rules):
     """Each pending run as its own compare_rules.py process (one part, rule and seed), --jobs at
     once, its output in <results>/logs/. Returns the runs that failed, with the end of their log."""
@@ -292,6 +304,9 @@ def run_concurrently(args, configs, lm_rules, mqar_rules):
     (args.results / "logs").mkdir(parents=True, exist_ok=True)
     # One thread per run: PyTorch would otherwise start a thread per core in each process.
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    gpus = visible_gpus()
+    if gpus != [None]:
+        print(f"compare: runs spread over {len(gpus)} GPU(s), each on the one running the fewest", flush=True)
     waiting, running, failures = list(pending), [], []
     start = time.monotonic()
     while waiting or running:
@@ -304,15 +319,17 @@ def run_concurrently(args, configs, lm_rules, mqar_rules):
             log = args.results / "logs" / f"{part}-{rule}-seed{seed}.log"
             command = [sys.executable, __file__, "--results", str(args.results), "--parts", part, "--rules", rule,
                        "--seeds", str(seed), *configs[part]["flags"]]
+            gpu = min(gpus, key=[entry[3] for entry in running].count)
             with open(log, "w") as output:
-                running.append((run, log, subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
-                                                           env=environment)))
+                process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                           env=environment if gpu is None else {**environment, "CUDA_VISIBLE_DEVICES": gpu})
+            running.append((run, log, process, gpu))
         finished = next((entry for entry in running if entry[2].poll() is not None), None)
         if finished is None:
             time.sleep(1)
             continue
         running.remove(finished)
-        (part, rule, seed), log, process = finished
+        (part, rule, seed), log, process, _ = finished
         if process.returncode == 0:
             print(f"compare: {part} {rule} seed {seed} done", flush=True)
         else:
@@ -404,7 +421,7 @@ def setting_lines(lm_runs, mqar_runs, jobs):
     lines = ["Mean ± sample standard deviation over the seeds listed; MQAR in % of the answers right. tokens/s: "
              "training tokens per second at the median step."]
     if jobs > 1:
-        lines.append(f"Up to {jobs} runs shared the GPU at once: tokens/s are lower than a run alone, and noisy.")
+        lines.append(f"Up to {jobs} runs at once shared the GPU(s): tokens/s are lower than a run alone, and noisy.")
     for part, runs, setting in (("LM", lm_runs, lm_setting), ("MQAR", mqar_runs, mqar_setting)):
         settings = sorted({setting(result) for by_seed in runs.values() for result in by_seed.values()})
         warning = " (WARNING: its runs differ)" if len(settings) > 1 else ""

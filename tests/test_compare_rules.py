@@ -258,8 +258,29 @@ def test_concurrent_runs_give_the_sequential_results(tmp_path, corpus):
                                        for folder in ("one", "three"))
             assert mqar_shared["runs"][0]["accuracy"] == mqar_alone["runs"][0]["accuracy"]
     assert len(list((tmp_path / "three" / "logs").glob("*.log"))) == 8
-    assert "Up to 3 runs shared the GPU at once" in table
+    assert "Up to 3 runs at once shared the GPU(s)" in table
     assert json.loads((tmp_path / "three" / compare_rules.CONFIG_FILE).read_text())["lm"]["jobs"] == 3
+
+
+def test_concurrent_runs_spread_over_the_visible_gpus(tmp_path, corpus, monkeypatch):
+    """Each run starts on the visible GPU running the fewest, named as CUDA_VISIBLE_DEVICES names it."""
+    started = []
+
+    class Run:  # a run that starts, and ends once all four have started
+        returncode = 0
+
+        def __init__(self, command, env, **_):
+            started.append(env["CUDA_VISIBLE_DEVICES"])
+
+        def poll(self):
+            return 0 if len(started) == 4 else None
+
+    monkeypatch.setattr(compare_rules.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.setattr(compare_rules.subprocess, "Popen", Run)
+    compare_rules.main(tiny_argv(tmp_path / "results", corpus, "--parts", "lm", "--rules", "gdn", "rdn",
+                                 "--seeds", "0", "1", "--jobs", "4"))
+    assert started == ["3", "5", "3", "5"]
 
 
 def test_no_run_starts_after_start_within(tmp_path, corpus, capsys):

@@ -70,7 +70,8 @@ for name in "$@"; do
          benchmarks/bench_context_parallel.py" ;;
     ddp) job ddp 300 env NCCL_NVLS_ENABLE=0 python3 benchmarks/bench_data_parallel.py --steps 30 ;;
     # Finished runs (committed in benchmarks/results/compare) are skipped: repeat until the table is whole.
-    compare) job compare 540 python3 benchmarks/compare_rules.py --seeds 0 1 2 --jobs 4 --start-within 3.5
+    compare) job compare 570 python3 benchmarks/compare_rules.py --seeds 0 1 2 --start-within 3.5 \
+      --jobs $((4 * $(nvidia-smi -L | wc -l))) --mqar-args=--compile
       find benchmarks/results/compare -name comparison.json -o -name metrics.json -o -path '*/mqar/*.json' \
         | tar czf "$logs/compare.tgz" -T -
       for log in benchmarks/results/compare/logs/*.log; do echo "== $log"; tail -c 2000 "$log"; echo; done >"$logs/compare-runs.log" ;;
