@@ -42,15 +42,15 @@ fit in it. Each LM part prints its epochs and warns above 2. A longer comparison
 corpus: --corpus FOLDER (any folder of *.py files; torch's own package holds ~46 MB, ~12M tokens)
 with a higher --max-steps.
 
-GPU time, measured once (H200, session 5): 12 runs at once (--jobs 12: the first 6 LM runs of seed
-0, 4 MQAR runs of seed 0 and 2 of seed 1) ran the LM steps at 540 ms each (15K tokens/s a run;
-the shipped model trained alone at 146 ms a step of 4x the rows) and the MQAR steps at ~64 ms.
-In the call's 500 s the 6 LM runs finished (4.4 min each, after ~1 min of start-up and compiles)
-and no MQAR run did (7000 of 10K steps): an MQAR run cut short leaves nothing. So a call starts
-runs only while they can still finish: --jobs 4 --start-within 3.5 in a 540 s call. Estimated
-from those rates (GPU-bound: the 12 runs shared it without gaining throughput): the LM part ~25 s
-of GPU a run, ~8 min for six rules at three seeds; MQAR ~60-100 s a run, ~15 min for four rules
-at three seeds. A GPU call is at most 10 minutes and starts a bare machine, so repeat one
+GPU time, measured. Session 5, one H200: 12 runs at once (--jobs 12) ran the LM steps at 540 ms
+each (15K tokens/s a run; the shipped config trains alone at ~130 ms a step of 4x the rows) and
+the MQAR steps at ~64 ms; in a 500 s call the 6 LM runs of seed 0 finished (4.4 min each, after
+~1 min of start-up and compiles) and no MQAR run did: an MQAR run cut short leaves nothing, so a
+call starts runs only while they can still finish (--start-within). Session 6, 2 x H200: --jobs
+8 (runs go to the visible GPU running the fewest) with MQAR's step compiled (--mqar-args=--compile:
+9.2 ms a step alone against 19.6 ms eager) finished the other 24 runs, 12 LM and 12 MQAR, in two
+jobs of 346 s and 164 s: the job `bash tools/gpu_run.sh compare` is --jobs 4 per GPU,
+--start-within 3.5 in 570 s. A GPU call is at most 10 minutes and starts a bare machine, so repeat one
 command until the table is whole, bringing back only the small JSON files. The default --results,
 benchmarks/results/compare/, is in the repository (its .gitignore keeps the JSON files only):
 what is committed there is the README's table, and travels to the GPU machine with the tree.

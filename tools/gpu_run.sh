@@ -22,9 +22,9 @@
 #   context      context parallelism on 2 GPUs (nvidia-h200-x2): its GPU tests, then
 #                benchmarks/bench_context_parallel.py under torchrun (600)
 #   ddp          benchmarks/bench_data_parallel.py: train.py's tokens/s on 1 and 2 GPUs (nvidia-h200-x2) (300)
-#   compare      benchmarks/compare_rules.py --seeds 0 1 2 --jobs 4 --start-within 3.5; its JSON results
-#                into compare.tgz in the log folder (untar it in the repository's root: see the
-#                script's docstring) (540)
+#   compare      benchmarks/compare_rules.py --seeds 0 1 2, 4 runs a GPU at once, MQAR compiled, no run
+#                started after 3.5 min; its JSON results into compare.tgz in the log folder (untar
+#                it in the repository's root: see the script's docstring) (570)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${OUT:-gpu-logs}
