@@ -322,6 +322,14 @@ class ResLinPreTrainedModel(PreTrainedModel):
                 module.mark_no_weight_decay()
         return model
 
+    def compile_blocks(self, **compile_kwargs):
+        """torch.compile each ResLinBlock on its own, in place (PyTorch's regional compilation): every
+        layer then runs the graph compiled for the first, where compiling the whole model traces
+        each layer anew. The Triton kernels are custom ops inside those graphs."""
+        for module in self.modules():
+            if isinstance(module, ResLinBlock):
+                module.compile(**compile_kwargs)
+
     def _init_weights(self, module):
         super()._init_weights(module)  # linear, conv and embedding weights normal(0, initializer_range), norms one
         if isinstance(module, ResLinLinearAttention):

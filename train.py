@@ -656,12 +656,9 @@ def train(args, argv, accelerator):
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model.train()
     if args.compile:
-        # Block by block (PyTorch's regional compilation): every layer runs the one graph compiled
-        # for the first, where the whole model would be traced with each layer anew (an 8-layer
-        # model had not compiled its first step after 200 s on the H200). In place, so that the
-        # state dict's names stay the model's (no _orig_mod prefix).
-        for block in model.model.layers:
-            block.compile(backend=args.compile)
+        # Block by block: compiling the whole 8-layer model had not finished its first step after
+        # 200 s on the H200. In place, so that the state dict's names stay the model's.
+        model.compile_blocks(backend=args.compile)
     optimizer = build_optimizer(model, args, device)
     parameters = sum(p.numel() for p in model.parameters())
     model_class = type(model)

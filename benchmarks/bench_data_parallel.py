@@ -18,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from compare_rules import median_step_tokens_per_second  # a sibling script: benchmarks/ is on sys.path
+# A sibling script: benchmarks/ is on sys.path.
+from compare_rules import median_step_tokens_per_second, timed_run_flags
 
 REPO = Path(__file__).resolve().parent.parent
 # A model big enough that a step is GPU-bound at the per-GPU batch: 12 layers of width 1024
@@ -36,10 +37,8 @@ def free_port():
 def launch(processes, args, out_dir, data_dir):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(args.config),
                "--num_processes", str(processes), "--main_process_port", str(free_port()),
-               str(REPO / "train.py"), *MODEL, *BATCH,
-               "--attn-type", args.rule, "--max-steps", str(args.steps), "--warmup-steps", "5",
-               "--eval-interval", str(10 * args.steps), "--save-interval", str(10 * args.steps),
-               "--eval-tokens", "65536", "--out-dir", str(out_dir), "--data-dir", str(data_dir), *args.train_args]
+               str(REPO / "train.py"), *MODEL, *BATCH, "--warmup-steps", "5",
+               *timed_run_flags(args.rule, args.steps, out_dir, data_dir), *args.train_args]
     print("$", " ".join(command), flush=True)
     subprocess.run(command, check=True, cwd=REPO)
     return json.loads((out_dir / "metrics.json").read_text())

@@ -30,6 +30,7 @@ FLA's for every rule. FLA on the H200, measured by the issue's author: 81k token
     python benchmarks/bench_training.py [--rules gdn kla rdn rla sgla rkla] [--batch 4] [--length 4096]
                                         [--steps 10] [--warmup 3] [--checkpointing] [--kernel-backend auto]
                                         [--profile 20]   # and each model's 20 slowest kernels of a step
+                                        [--compile]      # ours through torch.compile, block by block
     python benchmarks/bench_training.py --smoke   # tiny model; runs on a CPU (torch backend, fp32; FLA skipped)
     python benchmarks/bench_training.py --smoke --kernel-backend triton   # the same, Triton in its interpreter
 """
@@ -87,6 +88,13 @@ def build_and_measure(build, input_ids, args):
     return parameters(model), result
 
 
+def load_ours_for_training(rule, shape, args):
+    model = load_ours(rule, shape, args.kernel_backend)
+    if args.compile:
+        model.compile_blocks()
+    return model
+
+
 def free_memory():
     gc.collect()  # a model may hold reference cycles
     if DEVICE == "cuda":
@@ -114,6 +122,8 @@ def main():
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing, both models")
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"],
                         help="our config's kernel_backend (auto: what a user gets)")
+    parser.add_argument("--compile", action="store_true",
+                        help="our model through torch.compile (inductor), block by block; FLA's stays eager")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after each model's row, its N slowest kernels of a step (GPU time; CPU operators on a CPU)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and few steps, to check the script itself")
@@ -128,7 +138,8 @@ def main():
     print_header(f"training step: B{args.batch} x T{args.length} random ids, {precision}, "
                  f"checkpointing {'on' if args.checkpointing else 'off'}, median of {args.steps} steps after "
                  f"{args.warmup}, random weights, " + ", ".join(f"{k}={v}" for k, v in shape.items())
-                 + f", our kernel_backend {args.kernel_backend!r}")
+                 + f", our kernel_backend {args.kernel_backend!r}"
+                 + (", ours compiled (inductor), FLA eager" if args.compile else ""))
     if note:
         print(note)
     generator = torch.Generator().manual_seed(0)
@@ -152,7 +163,7 @@ def main():
         print_slowest_kernels(theirs[3], args.profile)
 
     for rule in args.rules:
-        count, ours = build_and_measure(lambda: load_ours(rule, shape, args.kernel_backend), input_ids, args)
+        count, ours = build_and_measure(lambda: load_ours_for_training(rule, shape, args), input_ids, args)
         free_memory()
         line = row(f"ours {rule}", count, ours)
         if theirs is not None:

@@ -320,9 +320,9 @@ def run_concurrently(args, configs, lm_rules, mqar_rules):
             command = [sys.executable, __file__, "--results", str(args.results), "--parts", part, "--rules", rule,
                        "--seeds", str(seed), *configs[part]["flags"]]
             gpu = min(gpus, key=[entry[3] for entry in running].count)
+            run_environment = environment if gpu is None else {**environment, "CUDA_VISIBLE_DEVICES": gpu}
             with open(log, "w") as output:
-                process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
-                                           env=environment if gpu is None else {**environment, "CUDA_VISIBLE_DEVICES": gpu})
+                process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=run_environment)
             running.append((run, log, process, gpu))
         finished = next((entry for entry in running if entry[2].poll() is not None), None)
         if finished is None:
@@ -355,6 +355,14 @@ def seeds_cell(present, requested):
     if missing:
         parts.append("missing " + " ".join(map(str, missing)))
     return ", ".join(parts) or "—"
+
+
+def timed_run_flags(rule, steps, out_dir, data_dir):
+    """train.py flags for a short run timed by its median step (median_step_tokens_per_second):
+    no evaluation nor checkpoint before its end."""
+    return ["--attn-type", rule, "--max-steps", str(steps), "--eval-interval", str(10 * steps),
+            "--save-interval", str(10 * steps), "--eval-tokens", "65536", "--out-dir", str(out_dir),
+            "--data-dir", str(data_dir)]
 
 
 def median_step_tokens_per_second(metrics):

@@ -18,6 +18,7 @@
 #   decode       benchmarks/bench_decode.py (180)
 #   generate     benchmarks/bench_generate.py (600)
 #   training     benchmarks/bench_training.py (600)
+#   compile      benchmarks/bench_compile.py: train.py's step eager and compiled (--compile) (420)
 #   prefill      benchmarks/bench_prefill.py, its CSV and SVG into the log folder (600)
 #   context      context parallelism on 2 GPUs (nvidia-h200-x2): its GPU tests, then
 #                benchmarks/bench_context_parallel.py under torchrun (600)
@@ -47,7 +48,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|suite|convert|forward|backward|kernels|decode|generate|training|prefill|context|ddp|compare) ;;
+    tests|suite|convert|forward|backward|kernels|decode|generate|training|compile|prefill|context|ddp|compare) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -63,6 +64,7 @@ for name in "$@"; do
     decode) job decode 180 python3 benchmarks/bench_decode.py ;;
     generate) job generate 600 python3 benchmarks/bench_generate.py ;;
     training) job training 600 python3 benchmarks/bench_training.py ;;
+    compile) job compile 420 python3 benchmarks/bench_compile.py ;;
     prefill) job prefill 600 python3 benchmarks/bench_prefill.py --out "$logs" ;;
     # NVLink multicast off: required on the 2-GPU machine (the tests set it themselves).
     context) job context 600 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_context_parallel.py \
