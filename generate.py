@@ -28,16 +28,23 @@ def load(folder, device, dtype):
     return model.to(device).eval(), tokenizer
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", default="def fibonacci(n):")
-    parser.add_argument("--model", default=REPO, help="model folder (default: this repository)")
+    parser.add_argument("--model", default=REPO, help="model folder or Hub id (default: this repository)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--sample", action="store_true", help="sample (top-p 0.9) instead of greedy")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here")
+    if os.path.isdir(args.model) and not os.path.isfile(os.path.join(args.model, "config.json")):
+        parser.error(f"--model {args.model}: the folder holds no config.json (give a folder that train.py or "
+                     f"save_pretrained wrote, or a Hub id)")
 
     torch.manual_seed(args.seed)
     model, tokenizer = load(args.model, args.device, getattr(torch, args.dtype))

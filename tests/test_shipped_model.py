@@ -79,3 +79,15 @@ def test_main_command_streams_a_completion():
     assert result.stdout.startswith(prompt)
     assert len(result.stdout.strip()) > len(prompt) + 20
     assert "24 new tokens" in result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    (["--model", str(REPO_ROOT / "tests")], "tests: the folder holds no config.json"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda: CUDA is not available here")]))
+def test_main_command_refuses_bad_flags_clearly(flags, message, capsys):
+    import generate
+
+    with pytest.raises(SystemExit):
+        generate.main(["def f():", *flags])
+    assert message in capsys.readouterr().err
