@@ -692,7 +692,8 @@ class _ChunkRun:
         cu_seqlens = torch.cat([starts, starts.new_full((1,), B * T)])
         chunk_offsets = (rows * NT + parts * segment_chunks).flatten()
         padded = torch.nn.functional.pad(self.g.view(B, T, HV), (0, 0, 0, segments * segment_chunks * BC - T))
-        segment_decay = padded.view(B, segments, segment_chunks * BC, HV).sum(2, dtype=torch.float32)  # log decay of each
+        # Each segment's log decay, in fp32 whatever g's dtype (the join kernel exponentiates it).
+        segment_decay = padded.view(B, segments, segment_chunks * BC, HV).sum(2, dtype=torch.float32)
         zeros = lambda: torch.zeros(B * segments, *S0.shape[1:], device=S0.device, dtype=torch.float32)  # noqa: E731
 
         def join(h, initial, ends):
