@@ -110,7 +110,9 @@ class ResLinConfig(PretrainedConfig):
             linear layers have no position limit).
         initializer_range (`float`, defaults to 0.02): std of the normal weight initialisation.
         kernel_backend (`str`, defaults to `"auto"`): `reslin_attention` backend: `auto`, `torch`,
-            `triton` or `recurrent`.
+            `triton` or `recurrent`. With `auto` and `triton` the norms, short convolutions and
+            SwiGLU also run fused Triton kernels on CUDA (kernels_reslin_triton_layers.py); `torch`
+            and `recurrent` keep every layer in torch code.
         decode_cuda_graphs (`bool`, defaults to `True`): on CUDA, replay each generation step of a model
             whose layers are all linear attention from a CUDA graph captured at the cache's first step
             (see `ResLinDecodeGraph` in modeling_reslin.py); `False` runs every step eagerly. Read at

@@ -37,6 +37,13 @@ from .configuration_reslin import ResLinConfig
 from .context_parallel_reslin import context_parallel_forward  # noqa: F401
 from .kernels_reslin import reslin_attention, reslin_decode_step
 
+try:
+    from .kernels_reslin_triton_layers import rms_norm as fused_rms_norm
+    from .kernels_reslin_triton_layers import short_convolution as fused_short_convolution
+    from .kernels_reslin_triton_layers import swiglu as fused_swiglu
+except ImportError:  # no Triton: the torch code below serves everywhere
+    fused_rms_norm = fused_short_convolution = fused_swiglu = None
+
 logger = logging.get_logger(__name__)
 
 # transformers 5.24 renamed the outputs' `past_key_values` field to `cache`; generate reads the
@@ -44,20 +51,37 @@ logger = logging.get_logger(__name__)
 CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
-def l2_normalize(x, eps=1e-6):
-    """x / sqrt(||x||^2 + eps) in fp32, written as rms_norm(x) with eps / D, divided by sqrt(D):
-    two kernels on CUDA (F.rms_norm is fused there) where the formula written out is five."""
+def uses_fused_layers(config):
+    """Whether the layers may run the fused Triton kernels of kernels_reslin_triton_layers (the
+    kernel backend "torch" keeps the whole model in torch code)."""
+    return fused_rms_norm is not None and config.kernel_backend in ("auto", "triton")
+
+
+def runs_fused(fused, x):
+    """Whether a fused kernel replaces the torch code beside it: eagerly on CUDA, where that code
+    is one kernel launch and one trip through memory per elementwise operation, with fp32
+    intermediates kept for the backward. torch.compile fuses the torch code by itself."""
+    return fused and x.is_cuda and not torch.compiler.is_compiling()
+
+
+def l2_normalize(x, fused=False, eps=1e-6):
+    """x / sqrt(||x||^2 + eps) in fp32, written as rms_norm(x) with eps / D, divided by sqrt(D)."""
     D = x.shape[-1]
+    if runs_fused(fused, x):
+        return fused_rms_norm(x, None, eps / D, scale=D ** -0.5)
     return (F.rms_norm(x.float(), (D,), eps=eps / D) * D ** -0.5).to(x.dtype)
 
 
 class ResLinRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-6):
+    def __init__(self, hidden_size, eps=1e-6, fused=False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = fused
 
     def forward(self, x):
+        if runs_fused(self.fused, x):
+            return fused_rms_norm(x, self.weight, self.eps)
         # In fp32; F.rms_norm is one fused kernel on CUDA, where the formula written out is five.
         return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
@@ -66,7 +90,10 @@ class ResLinGatedRMSNorm(ResLinRMSNorm):
     """RMSNorm(o) * SiLU(gate) per head, in fp32 (FLA's FusedRMSNormGated)."""
 
     def forward(self, x, gate):
-        return (super().forward(x.float()) * F.silu(gate.float())).to(x.dtype)
+        if runs_fused(self.fused, x):
+            return fused_rms_norm(x, self.weight, self.eps, gate=gate)
+        normed = F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps)
+        return (normed * F.silu(gate.float())).to(x.dtype)
 
 
 class ResLinShortConvolution(nn.Conv1d):
@@ -78,10 +105,13 @@ class ResLinShortConvolution(nn.Conv1d):
     inside its sequence.
     """
 
-    def __init__(self, dim, kernel_size):
+    def __init__(self, dim, kernel_size, fused=False):
         super().__init__(dim, dim, kernel_size, groups=dim, bias=False)
+        self.fused = fused
 
     def forward(self, x, state=None, positions=None):
+        if runs_fused(self.fused, x):
+            return fused_short_convolution(x, self.weight, state, positions), self.last_inputs(x, state)
         x = x.transpose(1, 2)  # [B, D, T]
         if state is None:
             state = x.new_zeros(x.shape[0], x.shape[1], self.kernel_size[0] - 1)
@@ -104,6 +134,15 @@ class ResLinShortConvolution(nn.Conv1d):
                 reach = K - 1 - i  # how far back this tap reads
                 y = y + (tap if positions is None or reach == 0 else tap * (positions >= reach)[:, None].to(tap.dtype))
         return F.silu(y).transpose(1, 2), x[..., T:]
+
+    def last_inputs(self, x, state):
+        """The state after x [B, T, D]: its last K - 1 inputs, [B, D, K - 1]."""
+        window = self.kernel_size[0] - 1
+        if x.shape[1] >= window:
+            return x[:, x.shape[1] - window:].transpose(1, 2)
+        if state is None:
+            state = x.new_zeros(x.shape[0], x.shape[2], window)
+        return torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)[..., -window:]
 
 
 class ResLinLinearAttention(nn.Module):
@@ -136,11 +175,12 @@ class ResLinLinearAttention(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.mark_no_weight_decay()
-        self.q_conv1d = ResLinShortConvolution(key_dim, config.conv_size)
-        self.k_conv1d = ResLinShortConvolution(key_dim, config.conv_size)
-        self.v_conv1d = ResLinShortConvolution(value_dim, config.conv_size)
+        self.fused = uses_fused_layers(config)
+        self.q_conv1d = ResLinShortConvolution(key_dim, config.conv_size, self.fused)
+        self.k_conv1d = ResLinShortConvolution(key_dim, config.conv_size, self.fused)
+        self.v_conv1d = ResLinShortConvolution(value_dim, config.conv_size, self.fused)
         self.g_proj = nn.Linear(config.hidden_size, value_dim, bias=False)
-        self.o_norm = ResLinGatedRMSNorm(self.head_v_dim, eps=config.norm_eps)
+        self.o_norm = ResLinGatedRMSNorm(self.head_v_dim, eps=config.norm_eps, fused=self.fused)
         self.o_proj = nn.Linear(value_dim, config.hidden_size, bias=False)
 
     def mark_no_weight_decay(self):
@@ -175,7 +215,7 @@ class ResLinLinearAttention(nn.Module):
         beta = self.b_proj(x).float().sigmoid()
         gamma = self.gamma_proj(x).float().sigmoid() if self.use_residual else None
         gamma_write = None  # the residual state's write strength, when it is not gamma itself
-        q = l2_normalize(q)
+        q = l2_normalize(q, self.fused)
         if self.step_rule == "kaczmarz":
             # KLA keeps raw keys and takes the step eta / (||k||^2 + eps), per key head shared by its value
             # heads. With raw keys the residual state's delta rule needs the same step (a plain gamma
@@ -184,7 +224,7 @@ class ResLinLinearAttention(nn.Module):
             beta = beta / (key_norm2 + self.kaczmarz_eps)
             gamma_write = gamma / (key_norm2 + self.kaczmarz_eps) if gamma is not None else None
         else:
-            k = l2_normalize(k)
+            k = l2_normalize(k, self.fused)
         if token_mask is not None:
             # a = exp(0) = 1 and zero write strengths: a padded position passes every state through unchanged.
             step = token_mask.to(g.dtype)[..., None]
@@ -278,20 +318,24 @@ class ResLinMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.fused = uses_fused_layers(config) and config.hidden_act in ("silu", "swish")
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if runs_fused(self.fused, x):
+            return self.down_proj(fused_swiglu(gate, up))
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class ResLinBlock(GradientCheckpointingLayer):
     def __init__(self, config, layer_idx):
         super().__init__()
-        self.attn_norm = ResLinRMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn_norm = ResLinRMSNorm(config.hidden_size, eps=config.norm_eps, fused=uses_fused_layers(config))
         if config.layer_types[layer_idx] == "linear_attention":
             self.attn = ResLinLinearAttention(config, layer_idx)
         else:
             self.attn = ResLinAttention(config, layer_idx)
-        self.mlp_norm = ResLinRMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp_norm = ResLinRMSNorm(config.hidden_size, eps=config.norm_eps, fused=uses_fused_layers(config))
         self.mlp = ResLinMLP(config)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None):
@@ -437,7 +481,7 @@ class ResLinModel(ResLinPreTrainedModel):
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList([ResLinBlock(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = ResLinRMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm = ResLinRMSNorm(config.hidden_size, eps=config.norm_eps, fused=uses_fused_layers(config))
         self.post_init()
 
     def get_input_embeddings(self):

@@ -26,9 +26,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from common import DEVICE, DTYPE, REPO, RULES, import_fla, print_header, synchronize
 
 SHAPE = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=8, head_dim=128, expand_v=1.0,
-             intermediate_size=2816)
+             intermediate_size=2816, tie_word_embeddings=False)
 SMOKE_SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0,
-                   intermediate_size=128)
+                   intermediate_size=128, tie_word_embeddings=False)
 GOALS = {1: 10.0, 16: 2.0}  # batch size: ours / FLA at least
 WARMUP_TOKENS = 8
 

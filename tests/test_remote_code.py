@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig
 
 REMOTE_FILES = {"configuration_reslin.py", "modeling_reslin.py", "cache_reslin.py", "kernels_reslin.py",
-                "context_parallel_reslin.py"}
+                "kernels_reslin_triton_layers.py", "context_parallel_reslin.py"}
 
 
 def tiny_hub_folder(folder, tiny_config):

@@ -1,0 +1,380 @@
+"""Fused Triton kernels for the layers around the recurrence: the RMS norms (plain, gated by SiLU,
+and the L2 normalisation of q and k), the short causal convolution with its SiLU, and SwiGLU.
+
+Their reference is the torch code in modeling_reslin.py (ResLinRMSNorm, ResLinGatedRMSNorm,
+l2_normalize, ResLinShortConvolution, ResLinMLP), which the modeling file runs on the CPU and
+under torch.compile (whose inductor fuses it by itself). Eagerly on CUDA that code is dozens of
+elementwise passes a layer, each a kernel launch and a trip through memory, and autograd keeps
+their fp32 intermediates for the backward: a 400M model's training step spent more than twice
+FLA's time and memory. Each function here is one kernel forward and one or two backward,
+computes in fp32, returns its input's dtype, and saves only its inputs for the backward, which
+recomputes the rest.
+"""
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # modeling_reslin then runs the torch code
+    raise
+
+import torch
+
+TILE_ELEMENTS = 4096  # elements per program in the row-wise kernels
+MAX_NORM_SIZE = 16384  # one program holds a whole row
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_power_of_2(n):
+    return 1 << (n - 1).bit_length()
+
+
+def _on_device(x):
+    """Triton launches on the current CUDA device, not on the tensors' (see kernels_reslin_triton)."""
+    return torch.cuda.device(x.device) if x.is_cuda else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# RMS norm: y = x / sqrt(mean(x^2) + eps) * weight * scale [* silu(gate)], row by row
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _rms_norm_forward_kernel(x_ptr, weight_ptr, gate_ptr, y_ptr, M, N, eps, scale,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             HAS_WEIGHT: tl.constexpr, GATED: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    y = x * (rstd * scale)[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(weight_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        y = y * gate * tl.sigmoid(gate)
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(x_ptr, weight_ptr, gate_ptr, dy_ptr, dx_ptr, dgate_ptr, dweight_ptr,
+                              M, N, eps, scale, blocks_per_program,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              HAS_WEIGHT: tl.constexpr, GATED: tl.constexpr):
+    # A program walks `blocks_per_program` row blocks, summing its share of dweight in registers;
+    # the host adds up the programs' shares.
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    else:
+        weight = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
+    dweight = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for block in range(program * blocks_per_program, (program + 1) * blocks_per_program):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & col_ok[None, :]
+        offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+        x_hat = x * rstd[:, None]
+        if GATED:
+            gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(gate)
+            normed = x_hat * weight * scale
+            # d silu(z) / dz = sig(z) (1 + z (1 - sig(z)))
+            tl.store(dgate_ptr + offsets, (dy * normed * sig * (1.0 + gate * (1.0 - sig))).to(dgate_ptr.dtype.element_ty),
+                     mask=mask)
+            dy = dy * gate * sig
+        if HAS_WEIGHT:
+            dweight += tl.sum(dy * x_hat, axis=0)
+        dx_hat = dy * weight * scale
+        dx = rstd[:, None] * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat, axis=1) / N)[:, None])
+        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        tl.store(dweight_ptr + program * N + cols, dweight * scale, mask=col_ok)
+
+
+def _norm_blocks(N):
+    BLOCK_N = _next_power_of_2(N)
+    return max(1, TILE_ELEMENTS // BLOCK_N), BLOCK_N
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, gate, eps, scale):
+        N = x.shape[-1]
+        x2 = x.reshape(-1, N).contiguous()
+        gate2 = gate.reshape(-1, N).contiguous() if gate is not None else None
+        y = torch.empty_like(x2)
+        M = x2.shape[0]
+        BLOCK_M, BLOCK_N = _norm_blocks(N)
+        with _on_device(x):
+            _rms_norm_forward_kernel[(_cdiv(M, BLOCK_M),)](
+                x2, weight, gate2, y, M, N, eps, scale, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                HAS_WEIGHT=weight is not None, GATED=gate is not None, num_warps=8 if BLOCK_N >= 4096 else 4)
+        ctx.save_for_backward(x2, weight, gate2)
+        ctx.eps, ctx.scale, ctx.shape = eps, scale, x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, gate2 = ctx.saved_tensors
+        M, N = x2.shape
+        dy = dy.reshape(M, N).contiguous()
+        dx = torch.empty_like(x2)
+        dgate = torch.empty_like(gate2) if gate2 is not None else None
+        BLOCK_M, BLOCK_N = _norm_blocks(N)
+        row_blocks = _cdiv(M, BLOCK_M)
+        programs = min(row_blocks, 1024)
+        blocks_per_program = _cdiv(row_blocks, programs)
+        programs = _cdiv(row_blocks, blocks_per_program)
+        dweight = x2.new_empty(programs, N, dtype=torch.float32) if weight is not None else None
+        with _on_device(x2):
+            _rms_norm_backward_kernel[(programs,)](
+                x2, weight, gate2, dy, dx, dgate, dweight, M, N, ctx.eps, ctx.scale, blocks_per_program,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_WEIGHT=weight is not None, GATED=gate2 is not None,
+                num_warps=8 if BLOCK_N >= 4096 else 4)
+        dweight = dweight.sum(0).to(weight.dtype) if weight is not None else None
+        dgate = dgate.view(ctx.shape) if dgate is not None else None
+        return dx.view(ctx.shape), dweight, dgate, None, None
+
+
+def rms_norm(x, weight=None, eps=1e-6, gate=None, scale=1.0):
+    """x / sqrt(mean(x^2) + eps) over the last dimension, times `weight` and `scale`, times
+    silu(`gate`) when given (gate shaped like x); in fp32, returned in x's dtype."""
+    N = x.shape[-1]
+    if N > MAX_NORM_SIZE:
+        raise ValueError(f"the fused RMS norm takes rows of at most {MAX_NORM_SIZE} elements, got {N}")
+    if weight is not None and weight.shape != (N,):
+        raise ValueError(f"weight must be [{N}], got {tuple(weight.shape)}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"gate must be shaped like x {tuple(x.shape)}, got {tuple(gate.shape)}")
+    return _RMSNorm.apply(x, weight, gate, float(eps), float(scale))
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU: silu(gate) * up
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _swiglu_forward_kernel(gate_ptr, up_ptr, y_ptr, numel, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offsets, (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_backward_kernel(gate_ptr, up_ptr, dy_ptr, dgate_ptr, dup_ptr, numel, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    tl.store(dgate_ptr + offsets, (dy * up * sig * (1.0 + gate * (1.0 - sig))).to(dgate_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(dup_ptr + offsets, (dy * gate * sig).to(dup_ptr.dtype.element_ty), mask=mask)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        gate, up = gate.contiguous(), up.contiguous()
+        y = torch.empty_like(gate)
+        with _on_device(gate):
+            _swiglu_forward_kernel[(_cdiv(gate.numel(), TILE_ELEMENTS),)](gate, up, y, gate.numel(), BLOCK=TILE_ELEMENTS)
+        ctx.save_for_backward(gate, up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dy = dy.contiguous()
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        with _on_device(gate):
+            _swiglu_backward_kernel[(_cdiv(gate.numel(), TILE_ELEMENTS),)](gate, up, dy, dgate, dup, gate.numel(),
+                                                                           BLOCK=TILE_ELEMENTS)
+        return dgate, dup
+
+
+def swiglu(gate, up):
+    """silu(gate) * up in fp32, returned in gate's dtype."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and "
+                         f"{tuple(up.shape)} {up.dtype}")
+    return _SwiGLU.apply(gate, up)
+
+
+# ---------------------------------------------------------------------------------------------
+# Short convolution: y_t = silu(sum_i w_i x_{t - (K-1) + i}), depthwise and causal
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _conv_window(x_ptr, state_ptr, positions_ptr, weight_ptr, b, times, channels, time_ok, channel_ok, T, D,
+                 K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                 HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """The convolution before its SiLU at `times` x `channels` of row b, in fp32. Inputs before
+    t = 0 come from the state [B, D, K - 1] (zeros without one); with packed sequences a tap that
+    reaches back past its sequence's start (positions[b, t] < reach) reads zero."""
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    if HAS_POSITIONS:
+        positions = tl.load(positions_ptr + b * T + times, mask=time_ok, other=0)
+    for i in tl.static_range(K):
+        reach = K - 1 - i
+        source = times - reach
+        ok = (time_ok & (source >= 0))[:, None] & channel_ok[None, :]
+        if HAS_POSITIONS:
+            ok = ok & (positions >= reach)[:, None]
+        x = tl.load(x_ptr + (b * T + source).to(tl.int64)[:, None] * D + channels[None, :], mask=ok, other=0.0)
+        if HAS_STATE:
+            from_state = (time_ok & (source < 0))[:, None] & channel_ok[None, :]
+            x += tl.load(state_ptr + (b * D + channels[None, :]) * (K - 1) + (K - 1 + source)[:, None],
+                         mask=from_state, other=0.0)
+        weight = tl.load(weight_ptr + channels * K + i, mask=channel_ok, other=0.0).to(tl.float32)
+        acc += x.to(tl.float32) * weight[None, :]
+    return acc
+
+
+@triton.jit
+def _short_conv_forward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, y_ptr, T, D,
+                               K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                               HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    b = tl.program_id(2)
+    times = tl.program_id(0) * BT + tl.arange(0, BT)
+    channels = tl.program_id(1) * BD + tl.arange(0, BD)
+    time_ok, channel_ok = times < T, channels < D
+    pre = _conv_window(x_ptr, state_ptr, positions_ptr, weight_ptr, b, times, channels, time_ok, channel_ok, T, D,
+                       K, BT, BD, HAS_STATE, HAS_POSITIONS)
+    offsets = (b * T + times).to(tl.int64)[:, None] * D + channels[None, :]
+    tl.store(y_ptr + offsets, (pre * tl.sigmoid(pre)).to(y_ptr.dtype.element_ty),
+             mask=time_ok[:, None] & channel_ok[None, :])
+
+
+@triton.jit
+def _short_conv_backward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, dy_ptr, dpre_ptr, dweight_ptr, T, D,
+                                K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                                HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """dpre = dy * silu'(pre) (fp32, for the input gradient's kernel) and this tile's share of the
+    weight gradient, sum_t dpre_t x_{t - reach}, into dweight [B, T / BT, D, K]."""
+    b = tl.program_id(2)
+    time_block = tl.program_id(0)
+    times = time_block * BT + tl.arange(0, BT)
+    channels = tl.program_id(1) * BD + tl.arange(0, BD)
+    time_ok, channel_ok = times < T, channels < D
+    mask = time_ok[:, None] & channel_ok[None, :]
+    pre = _conv_window(x_ptr, state_ptr, positions_ptr, weight_ptr, b, times, channels, time_ok, channel_ok, T, D,
+                       K, BT, BD, HAS_STATE, HAS_POSITIONS)
+    offsets = (b * T + times).to(tl.int64)[:, None] * D + channels[None, :]
+    sig = tl.sigmoid(pre)
+    dpre = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))
+    tl.store(dpre_ptr + offsets, dpre, mask=mask)
+    if HAS_POSITIONS:
+        positions = tl.load(positions_ptr + b * T + times, mask=time_ok, other=0)
+    dweight_row = ((b * tl.num_programs(0) + time_block) * D + channels).to(tl.int64) * K
+    for i in tl.static_range(K):
+        reach = K - 1 - i
+        source = times - reach
+        ok = (time_ok & (source >= 0))[:, None] & channel_ok[None, :]
+        if HAS_POSITIONS:
+            ok = ok & (positions >= reach)[:, None]
+        x = tl.load(x_ptr + (b * T + source).to(tl.int64)[:, None] * D + channels[None, :], mask=ok, other=0.0)
+        if HAS_STATE:
+            from_state = (time_ok & (source < 0))[:, None] & channel_ok[None, :]
+            x += tl.load(state_ptr + (b * D + channels[None, :]) * (K - 1) + (K - 1 + source)[:, None],
+                         mask=from_state, other=0.0)
+        tl.store(dweight_ptr + dweight_row + i, tl.sum(dpre * x.to(tl.float32), axis=0), mask=channel_ok)
+
+
+@triton.jit
+def _short_conv_input_grad_kernel(dpre_ptr, positions_ptr, weight_ptr, dx_ptr, T, D,
+                                  K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """dx_s = sum_i w_i dpre_{s + reach_i}, over the outputs s + reach_i that read x_s."""
+    b = tl.program_id(2)
+    times = tl.program_id(0) * BT + tl.arange(0, BT)
+    channels = tl.program_id(1) * BD + tl.arange(0, BD)
+    time_ok, channel_ok = times < T, channels < D
+    dx = tl.zeros([BT, BD], dtype=tl.float32)
+    for i in tl.static_range(K):
+        reach = K - 1 - i
+        reader = times + reach
+        ok = reader < T
+        if HAS_POSITIONS:
+            ok = ok & (tl.load(positions_ptr + b * T + reader, mask=ok, other=0) >= reach)
+        ok = ok[:, None] & channel_ok[None, :]
+        dpre = tl.load(dpre_ptr + (b * T + reader).to(tl.int64)[:, None] * D + channels[None, :], mask=ok, other=0.0)
+        weight = tl.load(weight_ptr + channels * K + i, mask=channel_ok, other=0.0).to(tl.float32)
+        dx += dpre * weight[None, :]
+    offsets = (b * T + times).to(tl.int64)[:, None] * D + channels[None, :]
+    tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=time_ok[:, None] & channel_ok[None, :])
+
+
+CONV_BLOCK_T, CONV_BLOCK_D = 32, 128
+
+
+class _ShortConvolution(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, state, positions):
+        B, T, D = x.shape
+        K = weight.shape[-1]
+        x = x.contiguous()
+        weight = weight.reshape(D, K).contiguous()
+        y = torch.empty_like(x)
+        grid = (_cdiv(T, CONV_BLOCK_T), _cdiv(D, CONV_BLOCK_D), B)
+        with _on_device(x):
+            _short_conv_forward_kernel[grid](x, state, positions, weight, y, T, D, K=K, BT=CONV_BLOCK_T,
+                                             BD=CONV_BLOCK_D, HAS_STATE=state is not None,
+                                             HAS_POSITIONS=positions is not None)
+        ctx.save_for_backward(x, weight, state, positions)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, state, positions = ctx.saved_tensors
+        B, T, D = x.shape
+        K = weight.shape[-1]
+        dy = dy.contiguous()
+        dpre = torch.empty(B, T, D, device=x.device, dtype=torch.float32)
+        grid = (_cdiv(T, CONV_BLOCK_T), _cdiv(D, CONV_BLOCK_D), B)
+        dweight = x.new_empty(B, grid[0], D, K, dtype=torch.float32)
+        dx = torch.empty_like(x)
+        flags = dict(K=K, BT=CONV_BLOCK_T, BD=CONV_BLOCK_D, HAS_POSITIONS=positions is not None)
+        with _on_device(x):
+            _short_conv_backward_kernel[grid](x, state, positions, weight, dy, dpre, dweight, T, D,
+                                              HAS_STATE=state is not None, **flags)
+            _short_conv_input_grad_kernel[grid](dpre, positions, weight, dx, T, D, **flags)
+        dstate = None
+        if state is not None and ctx.needs_input_grad[2]:
+            # The state's inputs sit at t = j - (K - 1), read by the outputs t + reach that exist.
+            dstate = torch.zeros_like(state, dtype=torch.float32)
+            for j in range(K - 1):
+                for i in range(j + 1):  # output t = j - i >= 0 reads state slot j through tap i
+                    if j - i < T:
+                        dstate[:, :, j] += weight[:, i].float() * dpre[:, j - i]
+            dstate = dstate.to(state.dtype)
+        return dx, dweight.sum((0, 1)).to(weight.dtype).view(D, 1, K), dstate, None
+
+
+def short_convolution(x, weight, state=None, positions=None):
+    """silu(causal depthwise convolution) of x [B, T, D] with taps weight [D, 1, K], fp32 inside,
+    in x's dtype. `state` [B, D, K - 1]: the inputs before x (zeros if None). `positions` [B, T]:
+    each token's index in its own packed sequence, so no window crosses a sequence's start."""
+    B, T, D = x.shape
+    if weight.dim() != 3 or weight.shape[:2] != (D, 1):
+        raise ValueError(f"weight must be [D={D}, 1, K], got {tuple(weight.shape)}")
+    K = weight.shape[-1]
+    if state is not None:
+        if state.shape != (B, D, K - 1):
+            raise ValueError(f"state must be [B, D, K - 1] = {(B, D, K - 1)}, got {tuple(state.shape)}")
+        state = state.to(x.dtype).contiguous()
+    if positions is not None:
+        if positions.shape != (B, T):
+            raise ValueError(f"positions must be [B, T] = {(B, T)}, got {tuple(positions.shape)}")
+        positions = positions.contiguous()
+    return _ShortConvolution.apply(x, weight, state, positions)

@@ -1,0 +1,226 @@
+"""The fused layer kernels (kernels_reslin_triton_layers.py) against the torch code they replace
+in modeling_reslin.py, forward and gradients.
+
+Without a GPU they run in Triton's CPU interpreter in fp32: relative error <= 1e-5. The model
+tests there route every layer through them (the modeling file itself takes them on CUDA only).
+On the GPU (`pytest -m gpu`) the kernels run compiled in bf16 at a 400M model's sizes against
+the fp32 torch code: relative error <= 1e-2 (bf16 rounding of outputs and gradients).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import build_model
+from test_generate import cache_of
+from test_kernels import rel_err
+
+layers = pytest.importorskip("kernels_reslin_triton_layers", reason="needs the triton package")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def reference_modules(reslin, N, K=4):
+    """The modeling file's own modules with the fused path off: the reference."""
+    norm = reslin.modeling.ResLinRMSNorm(N)
+    gated = reslin.modeling.ResLinGatedRMSNorm(N)
+    conv = reslin.modeling.ResLinShortConvolution(N, K)
+    for module in (norm, gated):
+        torch.nn.init.normal_(module.weight, 1.0, 0.5)
+    torch.nn.init.normal_(conv.weight, 0.0, 0.5)
+    return norm, gated, conv
+
+
+def grads(y, inputs, dy):
+    return torch.autograd.grad(y, inputs, dy)
+
+
+def assert_close(fused, reference, tolerance):
+    (y, dxs), (y_ref, dxs_ref) = fused, reference
+    assert y.dtype == y_ref.dtype
+    assert rel_err(y, y_ref) <= tolerance
+    for dx, dx_ref in zip(dxs, dxs_ref):
+        assert rel_err(dx, dx_ref) <= tolerance
+
+
+def random(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEVICE).to(dtype).requires_grad_()
+
+
+# Rows that do not fill a block, sizes that are not powers of two, one row of 1000.
+NORM_SHAPES = [(3, 5, 48), (2, 7, 3, 130), (1, 1000), (4, 9, 64)]
+
+
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=str)
+def test_rms_norms_match_the_modules(reslin, shape):
+    torch.manual_seed(0)
+    N = shape[-1]
+    norm, gated, _ = (m.to(DEVICE) for m in reference_modules(reslin, N))
+    x, gate, dy = random(*shape), random(*shape), torch.randn(*shape, device=DEVICE)
+    for module, fused, reference, inputs in (
+            (norm, lambda: layers.rms_norm(x, norm.weight, norm.eps), lambda: norm(x), (x, norm.weight)),
+            (gated, lambda: layers.rms_norm(x, gated.weight, gated.eps, gate=gate), lambda: gated(x, gate),
+             (x, gated.weight, gate)),
+            (None, lambda: layers.rms_norm(x, None, 1e-6 / N, scale=N ** -0.5),
+             lambda: reslin.modeling.l2_normalize(x), (x,))):
+        assert_close((y := fused(), grads(y, inputs, dy)), (y := reference(), grads(y, inputs, dy)), 1e-5)
+
+
+@pytest.mark.parametrize("numel", [1, 77, 4096 + 5])
+def test_swiglu_matches_silu_times_up(numel):
+    torch.manual_seed(0)
+    gate, up, dy = random(numel), random(numel), torch.randn(numel, device=DEVICE)
+    assert_close((y := layers.swiglu(gate, up), grads(y, (gate, up), dy)),
+                 (y := F.silu(gate) * up, grads(y, (gate, up), dy)), 1e-5)
+
+
+def packed_positions(T, starts, B):
+    """Each token's index in its own sequence, for sequences starting at `starts` (0 first)."""
+    bounds = list(starts) + [T]
+    return torch.cat([torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:])])[None].expand(B, T).to(DEVICE)
+
+
+# (B, T, D, K, with a state, packed sequence starts): T below, at and past the block of 32, one
+# token (a decode step), channels not a multiple of the block of 128, K = 3 and 4, sequences of
+# one token.
+CONV_CASES = [(2, 37, 130, 4, False, None), (2, 5, 16, 4, True, None), (3, 1, 24, 4, True, None),
+              (1, 2, 8, 4, True, None), (1, 70, 40, 3, False, (0, 20, 21, 22)), (1, 64, 32, 4, False, (0, 3))]
+
+
+@pytest.mark.parametrize("B,T,D,K,with_state,starts", CONV_CASES)
+def test_short_convolution_matches_the_module(reslin, B, T, D, K, with_state, starts):
+    torch.manual_seed(0)
+    _, _, conv = reference_modules(reslin, D, K)
+    conv = conv.to(DEVICE)
+    x, dy = random(B, T, D), torch.randn(B, T, D, device=DEVICE)
+    state = random(B, D, K - 1) if with_state else None
+    positions = packed_positions(T, starts, B) if starts else None
+    inputs = [t for t in (x, conv.weight, state) if t is not None]
+    y_ref, state_ref = conv(x, state, positions)
+    assert_close((y := layers.short_convolution(x, conv.weight, state, positions), grads(y, inputs, dy)),
+                 (y_ref, grads(y_ref, inputs, dy)), 1e-5)
+    assert torch.equal(conv.last_inputs(x, state), state_ref)
+
+
+def test_bad_shapes_are_named():
+    x = torch.randn(2, 5, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="weight must be"):
+        layers.rms_norm(x, torch.ones(7, device=DEVICE))
+    with pytest.raises(ValueError, match="gate must be shaped like x"):
+        layers.rms_norm(x, None, gate=torch.ones(2, 5, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="at most 16384"):
+        layers.rms_norm(torch.randn(1, 16385, device=DEVICE))
+    with pytest.raises(ValueError, match="gate and up must match"):
+        layers.swiglu(x, x[..., :4])
+    with pytest.raises(ValueError, match=r"weight must be \[D=8, 1, K\]"):
+        layers.short_convolution(x, torch.ones(8, 4, device=DEVICE))
+    with pytest.raises(ValueError, match=r"state must be \[B, D, K - 1\]"):
+        layers.short_convolution(x, torch.ones(8, 1, 4, device=DEVICE), torch.zeros(2, 8, 4, device=DEVICE))
+    with pytest.raises(ValueError, match=r"positions must be \[B, T\]"):
+        layers.short_convolution(x, torch.ones(8, 1, 4, device=DEVICE), None, torch.zeros(2, 4, device=DEVICE))
+
+
+def set_fused(model, fused):
+    for module in model.modules():
+        if hasattr(module, "fused"):
+            module.fused = fused
+
+
+def model_loss_and_grads(model, fused, autocast=False, **inputs):
+    set_fused(model, fused)
+    model.zero_grad()
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        loss = model(**inputs, labels=inputs["input_ids"]).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("mixer_name", ["rdn", "kla", "hybrid"])
+def test_model_through_the_fused_layers(reslin, monkeypatch, mixer_name):
+    """A tiny fp32 model's loss and gradients with every norm, convolution and SwiGLU fused equal
+    those of its torch code, also with packed sequences; prefill then decode steps through a cache
+    give the logits of one long forward."""
+    if DEVICE == "cpu":  # the modeling file takes the kernels on CUDA only: here, in the interpreter
+        monkeypatch.setattr(reslin.modeling, "runs_fused", lambda fused, x: fused)
+    model = build_model(mixer_name).to(DEVICE).train()
+    assert all(module.fused for module in model.modules() if hasattr(module, "fused"))
+    ids = torch.randint(1, 100, (2, 21), device=DEVICE)
+    packed = {"input_ids": ids[:1], "position_ids": packed_positions(21, (0, 8, 9), 1)}
+    for inputs in ({"input_ids": ids}, packed):
+        (loss, grads_fused) = model_loss_and_grads(model, True, **inputs)
+        (loss_ref, grads_ref) = model_loss_and_grads(model, False, **inputs)
+        assert rel_err(loss, loss_ref) <= 1e-5
+        assert len(grads_fused) == len(grads_ref) == len(list(model.parameters()))
+        for grad, grad_ref in zip(grads_fused, grads_ref):
+            assert rel_err(grad, grad_ref) <= 1e-4
+
+    model.eval()
+    set_fused(model, True)
+    with torch.no_grad():
+        full = model(ids).logits
+        output = model(ids[:, :13], use_cache=True)
+        steps = [output.logits]
+        for t in range(13, 21):
+            output = model(ids[:, t:t + 1], cache=cache_of(output))
+            steps.append(output.logits)
+    assert rel_err(torch.cat(steps, dim=1), full) <= 1e-5
+
+
+# --- GPU: compiled, bf16, a 400M model's sizes ----------------------------------------------------
+
+def real_size_case(fused, reference, inputs, dtype):
+    """The fused function on `inputs` in `dtype`, the reference in fp32 on the same rounded values,
+    one bf16 output gradient: relative errors of the output and of each input's gradient."""
+    low = [x.detach().to(dtype).requires_grad_() for x in inputs]
+    exact = [x.detach().to(dtype).float().requires_grad_() for x in inputs]
+    y, y_ref = fused(*low), reference(*exact)
+    dy = torch.randn_like(y_ref).to(dtype)
+    return [rel_err(y, y_ref)] + [rel_err(a, b) for a, b in zip(grads(y, low, dy), grads(y_ref, exact, dy.float()))]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_layers_in_low_precision_at_real_sizes(reslin, dtype):
+    """A 400M model's shapes, B4 x T4096: the hidden norm (1024), the per-head gated and L2 norms
+    (128), the convolutions with packed sequences, SwiGLU of 2816."""
+    torch.manual_seed(0)
+    B, T, hidden, heads, head_dim, inner = 4, 4096, 1024, 8, 128, 2816
+    norm, _, conv = reference_modules(reslin, hidden)
+    _, gated, _ = reference_modules(reslin, head_dim)
+    norm, gated, conv = norm.cuda(), gated.cuda(), conv.cuda()
+    positions = packed_positions(T, (0, 1000, 1001, 3000), B)
+    x = torch.randn(B, T, hidden, device="cuda")
+    heads_x, gate = torch.randn(2, B, T, heads, head_dim, device="cuda")
+    cases = {
+        "norm": (lambda x, w: layers.rms_norm(x, w, norm.eps), lambda x, w: F.rms_norm(x, (hidden,), w, norm.eps),
+                 (x, norm.weight)),
+        "gated": (lambda x, w, z: layers.rms_norm(x, w, gated.eps, gate=z),
+                  lambda x, w, z: F.rms_norm(x, (head_dim,), w, gated.eps) * F.silu(z), (heads_x, gated.weight, gate)),
+        "l2": (lambda x: layers.rms_norm(x, None, 1e-6 / head_dim, scale=head_dim ** -0.5),
+               lambda x: reslin.modeling.l2_normalize(x), (heads_x,)),
+        "conv": (lambda x, w: layers.short_convolution(x, w, None, positions),
+                 lambda x, w: torch.func.functional_call(conv, {"weight": w}, (x, None, positions))[0],
+                 (x, conv.weight)),
+        "swiglu": (layers.swiglu, lambda a, b: F.silu(a) * b, torch.randn(2, B * T, inner, device="cuda")),
+    }
+    for name, (fused, reference, inputs) in cases.items():
+        errors = real_size_case(fused, reference, inputs, dtype)
+        assert max(errors) <= 1e-2, (name, errors)
+
+
+@pytest.mark.parametrize("mixer_name", ["gdn", "rdn"])
+def test_model_bf16_fused_against_torch_code(mixer_name):
+    """A 2-layer model of hidden 1024, heads of 128, B2 x T2048 under bf16 autocast: the loss and
+    gradients with the fused layers against the torch code's, both in bf16 (rel. error <= 2e-2)."""
+    model = build_model(mixer_name, hidden_size=1024, num_heads=8, head_dim=128, intermediate_size=2816,
+                        vocab_size=32000).cuda().train()
+    ids = torch.randint(3, 32000, (2, 2048), device="cuda")
+    loss, grads_fused = model_loss_and_grads(model, True, autocast=True, input_ids=ids)
+    loss_ref, grads_ref = model_loss_and_grads(model, False, autocast=True, input_ids=ids)
+    assert rel_err(loss, loss_ref) <= 1e-3
+    for grad, grad_ref in zip(grads_fused, grads_ref):
+        assert rel_err(grad, grad_ref) <= 2e-2
+
+
+for test in (test_fused_layers_in_low_precision_at_real_sizes, test_model_bf16_fused_against_torch_code):
+    for mark in ON_GPU:
+        mark(test)
