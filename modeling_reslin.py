@@ -620,6 +620,53 @@ def packed_sequences(position_ids, cu_seq_lens_q, batch_size, length, detect):
     return cu_seq_lens_q.to(device=position_ids.device, dtype=torch.long)
 
 
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The summed cross-entropy of logits [N, V] against targets [N] (`ignore_index` skipped), in
+    fp32 one block of rows at a time. It keeps for the backward only the logits themselves, which
+    the model returns anyway, and a log-sum-exp per row: cross-entropy on logits cast to fp32
+    keeps an fp32 copy and an fp32 log-softmax, 2 GB each at 16K tokens and a 32K vocabulary."""
+
+    BLOCK_ELEMENTS = 2 ** 25  # fp32 elements of one block of rows (128 MB)
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index):
+        kept = targets != ignore_index
+        targets = targets.where(kept, 0)
+        rows = max(1, ChunkedCrossEntropy.BLOCK_ELEMENTS // logits.shape[1])
+        log_sum_exp = torch.cat([torch.logsumexp(block.float(), dim=-1) for block in logits.split(rows)])
+        target_logits = logits.gather(1, targets[:, None])[:, 0].float()
+        ctx.save_for_backward(logits, targets, kept, log_sum_exp)
+        return ((log_sum_exp - target_logits) * kept).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, kept, log_sum_exp = ctx.saved_tensors
+        rows = max(1, ChunkedCrossEntropy.BLOCK_ELEMENTS // logits.shape[1])
+        dlogits = torch.empty_like(logits)
+        weight = grad * kept  # d loss / d logits = (softmax - onehot(target)) per kept row
+        for start in range(0, logits.shape[0], rows):
+            block = slice(start, start + rows)
+            probabilities = torch.exp(logits[block].float() - log_sum_exp[block, None])
+            probabilities.scatter_add_(1, targets[block, None], probabilities.new_full((probabilities.shape[0], 1), -1.0))
+            dlogits[block] = probabilities * weight[block, None]
+        return dlogits, None, None
+
+
+def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                   **kwargs):
+    """transformers' ForCausalLMLoss (the next-token cross-entropy in fp32, with its `shift_labels`
+    and `num_items_in_batch`) through ChunkedCrossEntropy."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(logits.device)
+    total = ChunkedCrossEntropy.apply(logits.reshape(-1, vocab_size), targets, ignore_index)
+    if num_items_in_batch is None:
+        return total / (targets != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
 def resolve_cache_keyword(cache, past_key_values):
     # transformers 5.24's generate passes `cache=`, 5.17's `past_key_values=`: accept both.
     if cache is not None and past_key_values is not None and cache is not past_key_values:
@@ -680,7 +727,9 @@ class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states[:, keep, :])
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            # Under torch.compile transformers' own loss: inductor fuses it without the fp32 copies.
+            loss_function = self.loss_function if torch.compiler.is_compiling() else causal_lm_loss
+            loss = loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         output = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                         **{CACHE_FIELD: outputs[CACHE_FIELD] if CACHE_FIELD in outputs else None})
         return output if return_dict else output.to_tuple()

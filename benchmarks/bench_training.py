@@ -37,6 +37,7 @@ FLA's for every rule. FLA on the H200, measured by the issue's author: 81k token
 
 import argparse
 import gc
+import time
 
 import torch
 
@@ -69,9 +70,12 @@ def measure(model, input_ids, steps, warmup, checkpointing, profile=False):
         optimizer.zero_grad(set_to_none=True)
         last_loss[:] = [loss.detach()]
 
+    start = time.perf_counter()
     for _ in range(warmup):
         step()
     synchronize()
+    # Compilation and autotuning: where a run cut short by a time limit spent its time.
+    print(f"    ({warmup} warm-up steps: {time.perf_counter() - start:.0f} s)", flush=True)
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
     ms = median_ms(step, repeats=steps, warmup=0)

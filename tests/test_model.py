@@ -410,3 +410,28 @@ def test_padded_single_row_is_not_taken_for_packed_sequences(tiny_model, make_le
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(ids, attention_mask=mask, position_ids=position_ids).logits[0, -5:]
     torch.testing.assert_close(logits, model(row[None]).logits[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "num_items_in_batch", "shift_labels"])
+def test_chunked_loss_matches_transformers_loss(reslin, monkeypatch, dtype, reduction):
+    """causal_lm_loss (blocks of rows in fp32) against transformers' ForCausalLMLoss: the loss and
+    the logits' gradient, with ignored labels, over several blocks and a partial last one."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    monkeypatch.setattr(reslin.modeling.ChunkedCrossEntropy, "BLOCK_ELEMENTS", 3 * 50)  # blocks of 3 rows
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 7, 50)).to(dtype).requires_grad_()
+    labels = torch.randint(0, 50, (2, 7))
+    labels[0, 2] = labels[1, 5] = -100
+    kwargs = {"mean": {}, "num_items_in_batch": {"num_items_in_batch": torch.tensor(9)},
+              "shift_labels": {"shift_labels": labels.roll(-1, 1)}}[reduction]
+    results = []
+    for loss_function in (reslin.modeling.causal_lm_loss, ForCausalLMLoss):
+        loss = loss_function(logits=logits, labels=labels, vocab_size=50, **kwargs)
+        results.append((loss, torch.autograd.grad(loss, logits)[0]))
+    (loss, grad), (loss_ref, grad_ref) = results
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-7)
