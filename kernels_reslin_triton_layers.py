@@ -1,5 +1,6 @@
-"""Fused Triton kernels for the layers around the recurrence: the RMS norms (plain, gated by SiLU,
-and the L2 normalisation of q and k), the short causal convolution with its SiLU, and SwiGLU.
+"""Fused Triton kernels for the layers around the recurrence: the RMS norms (plain and gated by
+SiLU), the short causal convolution with its SiLU (and for q and k the L2 normalisation of each
+head), and SwiGLU.
 
 Their reference is the torch code in modeling_reslin.py (ResLinRMSNorm, ResLinGatedRMSNorm,
 l2_normalize, ResLinShortConvolution, ResLinMLP), which the modeling file runs on the CPU and
@@ -8,7 +9,8 @@ elementwise passes a layer, each a kernel launch and a trip through memory, and 
 their fp32 intermediates for the backward: a 400M model's training step spent more than twice
 FLA's time and memory. Each function here is one kernel forward and one or two backward,
 computes in fp32, returns its input's dtype, and saves only its inputs for the backward, which
-recomputes the rest.
+recomputes the rest; SwiGLU can take the down projection along, so that its product is not kept
+either.
 """
 
 try:
@@ -21,6 +23,7 @@ import torch
 
 TILE_ELEMENTS = 4096  # elements per program in the row-wise kernels
 MAX_NORM_SIZE = 16384  # one program holds a whole row
+MAX_L2_HEAD_SIZE = 256  # the convolution's tile holds a whole head
 
 
 def _cdiv(a, b):
@@ -37,22 +40,19 @@ def _on_device(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# RMS norm: y = x / sqrt(mean(x^2) + eps) * weight * scale [* silu(gate)], row by row
+# RMS norm: y = x / sqrt(mean(x^2) + eps) * weight [* silu(gate)], row by row
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _rms_norm_forward_kernel(x_ptr, weight_ptr, gate_ptr, y_ptr, M, N, eps, scale,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             HAS_WEIGHT: tl.constexpr, GATED: tl.constexpr):
+def _rms_norm_forward_kernel(x_ptr, weight_ptr, gate_ptr, y_ptr, M, N, eps,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
-    y = x * (rstd * scale)[:, None]
-    if HAS_WEIGHT:
-        y = y * tl.load(weight_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    y = x * rstd[:, None] * tl.load(weight_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if GATED:
         gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         y = y * gate * tl.sigmoid(gate)
@@ -61,18 +61,14 @@ def _rms_norm_forward_kernel(x_ptr, weight_ptr, gate_ptr, y_ptr, M, N, eps, scal
 
 @triton.jit
 def _rms_norm_backward_kernel(x_ptr, weight_ptr, gate_ptr, dy_ptr, dx_ptr, dgate_ptr, dweight_ptr,
-                              M, N, eps, scale, blocks_per_program,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              HAS_WEIGHT: tl.constexpr, GATED: tl.constexpr):
+                              M, N, eps, blocks_per_program,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
     # A program walks `blocks_per_program` row blocks, summing its share of dweight in registers;
     # the host adds up the programs' shares.
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    if HAS_WEIGHT:
-        weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    else:
-        weight = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     dweight = tl.zeros([BLOCK_N], dtype=tl.float32)
     for block in range(program * blocks_per_program, (program + 1) * blocks_per_program):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,18 +81,16 @@ def _rms_norm_backward_kernel(x_ptr, weight_ptr, gate_ptr, dy_ptr, dx_ptr, dgate
         if GATED:
             gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             sig = tl.sigmoid(gate)
-            normed = x_hat * weight * scale
+            normed = x_hat * weight
             # d silu(z) / dz = sig(z) (1 + z (1 - sig(z)))
             tl.store(dgate_ptr + offsets, (dy * normed * sig * (1.0 + gate * (1.0 - sig))).to(dgate_ptr.dtype.element_ty),
                      mask=mask)
             dy = dy * gate * sig
-        if HAS_WEIGHT:
-            dweight += tl.sum(dy * x_hat, axis=0)
-        dx_hat = dy * weight * scale
+        dweight += tl.sum(dy * x_hat, axis=0)
+        dx_hat = dy * weight
         dx = rstd[:, None] * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat, axis=1) / N)[:, None])
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    if HAS_WEIGHT:
-        tl.store(dweight_ptr + program * N + cols, dweight * scale, mask=col_ok)
+    tl.store(dweight_ptr + program * N + cols, dweight, mask=col_ok)
 
 
 def _norm_blocks(N):
@@ -106,7 +100,7 @@ def _norm_blocks(N):
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, gate, eps, scale):
+    def forward(ctx, x, weight, gate, eps):
         N = x.shape[-1]
         x2 = x.reshape(-1, N).contiguous()
         gate2 = gate.reshape(-1, N).contiguous() if gate is not None else None
@@ -115,10 +109,10 @@ class _RMSNorm(torch.autograd.Function):
         BLOCK_M, BLOCK_N = _norm_blocks(N)
         with _on_device(x):
             _rms_norm_forward_kernel[(_cdiv(M, BLOCK_M),)](
-                x2, weight, gate2, y, M, N, eps, scale, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                HAS_WEIGHT=weight is not None, GATED=gate is not None, num_warps=8 if BLOCK_N >= 4096 else 4)
+                x2, weight, gate2, y, M, N, eps, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GATED=gate is not None,
+                num_warps=8 if BLOCK_N >= 4096 else 4)
         ctx.save_for_backward(x2, weight, gate2)
-        ctx.eps, ctx.scale, ctx.shape = eps, scale, x.shape
+        ctx.eps, ctx.shape = eps, x.shape
         return y.view(x.shape)
 
     @staticmethod
@@ -133,28 +127,27 @@ class _RMSNorm(torch.autograd.Function):
         programs = min(row_blocks, 1024)
         blocks_per_program = _cdiv(row_blocks, programs)
         programs = _cdiv(row_blocks, blocks_per_program)
-        dweight = x2.new_empty(programs, N, dtype=torch.float32) if weight is not None else None
+        dweight = x2.new_empty(programs, N, dtype=torch.float32)
         with _on_device(x2):
             _rms_norm_backward_kernel[(programs,)](
-                x2, weight, gate2, dy, dx, dgate, dweight, M, N, ctx.eps, ctx.scale, blocks_per_program,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_WEIGHT=weight is not None, GATED=gate2 is not None,
-                num_warps=8 if BLOCK_N >= 4096 else 4)
-        dweight = dweight.sum(0).to(weight.dtype) if weight is not None else None
+                x2, weight, gate2, dy, dx, dgate, dweight, M, N, ctx.eps, blocks_per_program,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GATED=gate2 is not None, num_warps=8 if BLOCK_N >= 4096 else 4)
+        dweight = dweight.sum(0).to(weight.dtype)
         dgate = dgate.view(ctx.shape) if dgate is not None else None
-        return dx.view(ctx.shape), dweight, dgate, None, None
+        return dx.view(ctx.shape), dweight, dgate, None
 
 
-def rms_norm(x, weight=None, eps=1e-6, gate=None, scale=1.0):
-    """x / sqrt(mean(x^2) + eps) over the last dimension, times `weight` and `scale`, times
-    silu(`gate`) when given (gate shaped like x); in fp32, returned in x's dtype."""
+def rms_norm(x, weight, eps=1e-6, gate=None):
+    """x / sqrt(mean(x^2) + eps) over the last dimension, times `weight`, times silu(`gate`) when
+    given (gate shaped like x); in fp32, returned in x's dtype."""
     N = x.shape[-1]
     if N > MAX_NORM_SIZE:
         raise ValueError(f"the fused RMS norm takes rows of at most {MAX_NORM_SIZE} elements, got {N}")
-    if weight is not None and weight.shape != (N,):
+    if weight.shape != (N,):
         raise ValueError(f"weight must be [{N}], got {tuple(weight.shape)}")
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"gate must be shaped like x {tuple(x.shape)}, got {tuple(gate.shape)}")
-    return _RMSNorm.apply(x, weight, gate, float(eps), float(scale))
+    return _RMSNorm.apply(x, weight, gate, float(eps))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,123 +176,167 @@ def _swiglu_backward_kernel(gate_ptr, up_ptr, dy_ptr, dgate_ptr, dup_ptr, numel,
     tl.store(dup_ptr + offsets, (dy * gate * sig).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
+def _swiglu_forward(gate, up):
+    y = torch.empty_like(gate)
+    with _on_device(gate):
+        _swiglu_forward_kernel[(_cdiv(gate.numel(), TILE_ELEMENTS),)](gate, up, y, gate.numel(), BLOCK=TILE_ELEMENTS)
+    return y
+
+
+def _swiglu_backward(gate, up, dy):
+    dy = dy.contiguous()
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    with _on_device(gate):
+        _swiglu_backward_kernel[(_cdiv(gate.numel(), TILE_ELEMENTS),)](gate, up, dy, dgate, dup, gate.numel(),
+                                                                       BLOCK=TILE_ELEMENTS)
+    return dgate, dup
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         gate, up = gate.contiguous(), up.contiguous()
-        y = torch.empty_like(gate)
-        with _on_device(gate):
-            _swiglu_forward_kernel[(_cdiv(gate.numel(), TILE_ELEMENTS),)](gate, up, y, gate.numel(), BLOCK=TILE_ELEMENTS)
         ctx.save_for_backward(gate, up)
-        return y
+        return _swiglu_forward(gate, up)
 
     @staticmethod
     def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        dy = dy.contiguous()
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        with _on_device(gate):
-            _swiglu_backward_kernel[(_cdiv(gate.numel(), TILE_ELEMENTS),)](gate, up, dy, dgate, dup, gate.numel(),
-                                                                           BLOCK=TILE_ELEMENTS)
-        return dgate, dup
+        return _swiglu_backward(*ctx.saved_tensors, dy)
 
 
-def swiglu(gate, up):
-    """silu(gate) * up in fp32, returned in gate's dtype."""
+class _SwiGLUDown(torch.autograd.Function):
+    """down(silu(gate) * up) without keeping silu(gate) * up (the largest activation of a block):
+    the backward recomputes it. Under autocast the matmuls autocast as nn.Linear's would."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, gate, up, weight):
+        gate, up = gate.contiguous(), up.contiguous()
+        ctx.save_for_backward(gate, up, weight)
+        return torch.nn.functional.linear(_swiglu_forward(gate, up), weight)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy):
+        gate, up, weight = ctx.saved_tensors
+        dgate, dup = _swiglu_backward(gate, up, dy @ weight)
+        dweight = None
+        if ctx.needs_input_grad[2]:
+            hidden = _swiglu_forward(gate, up)
+            dweight = (dy.flatten(0, -2).t() @ hidden.flatten(0, -2)).to(weight.dtype)
+        return dgate, dup, dweight
+
+
+def swiglu(gate, up, down_weight=None):
+    """silu(gate) * up in fp32, returned in gate's dtype; with `down_weight` [hidden, inner], that
+    product's projection F.linear(silu(gate) * up, down_weight), recomputing the product in the
+    backward rather than keeping it."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and "
                          f"{tuple(up.shape)} {up.dtype}")
-    return _SwiGLU.apply(gate, up)
+    if down_weight is None:
+        return _SwiGLU.apply(gate, up)
+    if down_weight.dim() != 2 or down_weight.shape[1] != gate.shape[-1]:
+        raise ValueError(f"down_weight must be [hidden, {gate.shape[-1]}], got {tuple(down_weight.shape)}")
+    return _SwiGLUDown.apply(gate, up, down_weight)
 
 
 # ---------------------------------------------------------------------------------------------
-# Short convolution: y_t = silu(sum_i w_i x_{t - (K-1) + i}), depthwise and causal
+# Short convolution: y_t = silu(sum_i w_i x_{t - (K-1) + i}), depthwise and causal, optionally
+# followed by the L2 normalisation of each head (q and k)
 # ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _conv_tile(x_ptr, state_ptr, positions_ptr, b, times, channels, time_ok, channel_ok, T, D, i,
+               K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """The inputs that tap i reads for the outputs at `times` x `channels` of row b, in fp32: from
+    the state [B, D, K - 1] before t = 0 (zeros without one), and zero where a packed sequence's
+    start lies in between (positions[b, t] < reach)."""
+    reach = K - 1 - i
+    source = times - reach
+    ok = (time_ok & (source >= 0))[:, None] & channel_ok[None, :]
+    if HAS_POSITIONS:
+        positions = tl.load(positions_ptr + b * T + times, mask=time_ok, other=0)
+        ok = ok & (positions >= reach)[:, None]
+    x = tl.load(x_ptr + (b * T + source).to(tl.int64)[:, None] * D + channels[None, :], mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    if HAS_STATE:
+        from_state = (time_ok & (source < 0))[:, None] & channel_ok[None, :]
+        x += tl.load(state_ptr + (b * D + channels[None, :]) * (K - 1) + (K - 1 + source)[:, None],
+                     mask=from_state, other=0.0).to(tl.float32)
+    return x
+
 
 @triton.jit
 def _conv_window(x_ptr, state_ptr, positions_ptr, weight_ptr, b, times, channels, time_ok, channel_ok, T, D,
                  K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                  HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr):
-    """The convolution before its SiLU at `times` x `channels` of row b, in fp32. Inputs before
-    t = 0 come from the state [B, D, K - 1] (zeros without one); with packed sequences a tap that
-    reaches back past its sequence's start (positions[b, t] < reach) reads zero."""
-    acc = tl.zeros([BT, BD], dtype=tl.float32)
-    if HAS_POSITIONS:
-        positions = tl.load(positions_ptr + b * T + times, mask=time_ok, other=0)
+    """The convolution before its SiLU at `times` x `channels` of row b, in fp32."""
+    pre = tl.zeros([BT, BD], dtype=tl.float32)
     for i in tl.static_range(K):
-        reach = K - 1 - i
-        source = times - reach
-        ok = (time_ok & (source >= 0))[:, None] & channel_ok[None, :]
-        if HAS_POSITIONS:
-            ok = ok & (positions >= reach)[:, None]
-        x = tl.load(x_ptr + (b * T + source).to(tl.int64)[:, None] * D + channels[None, :], mask=ok, other=0.0)
-        if HAS_STATE:
-            from_state = (time_ok & (source < 0))[:, None] & channel_ok[None, :]
-            x += tl.load(state_ptr + (b * D + channels[None, :]) * (K - 1) + (K - 1 + source)[:, None],
-                         mask=from_state, other=0.0)
         weight = tl.load(weight_ptr + channels * K + i, mask=channel_ok, other=0.0).to(tl.float32)
-        acc += x.to(tl.float32) * weight[None, :]
-    return acc
+        pre += _conv_tile(x_ptr, state_ptr, positions_ptr, b, times, channels, time_ok, channel_ok, T, D, i,
+                          K, HAS_STATE, HAS_POSITIONS) * weight[None, :]
+    return pre
 
 
 @triton.jit
-def _short_conv_forward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, y_ptr, T, D,
-                               K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                               HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr):
-    b = tl.program_id(2)
+def _conv_tile_indices(T, D, GROUP, BT: tl.constexpr, BD: tl.constexpr):
+    """Row b, the tile's times and channels: the channels of one group (a head when normalising)."""
     times = tl.program_id(0) * BT + tl.arange(0, BT)
-    channels = tl.program_id(1) * BD + tl.arange(0, BD)
-    time_ok, channel_ok = times < T, channels < D
+    lanes = tl.arange(0, BD)
+    channels = tl.program_id(1) * GROUP + lanes
+    return tl.program_id(2), times, channels, times < T, (lanes < GROUP) & (channels < D)
+
+
+@triton.jit
+def _short_conv_forward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, y_ptr, T, D, GROUP, eps,
+                               K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                               HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, NORMALIZE: tl.constexpr):
+    b, times, channels, time_ok, channel_ok = _conv_tile_indices(T, D, GROUP, BT, BD)
     pre = _conv_window(x_ptr, state_ptr, positions_ptr, weight_ptr, b, times, channels, time_ok, channel_ok, T, D,
                        K, BT, BD, HAS_STATE, HAS_POSITIONS)
+    y = pre * tl.sigmoid(pre)
+    if NORMALIZE:  # y / sqrt(||y||^2 + eps) over the group's channels (masked ones are zero)
+        y = y / tl.sqrt(tl.sum(y * y, axis=1) + eps)[:, None]
     offsets = (b * T + times).to(tl.int64)[:, None] * D + channels[None, :]
-    tl.store(y_ptr + offsets, (pre * tl.sigmoid(pre)).to(y_ptr.dtype.element_ty),
-             mask=time_ok[:, None] & channel_ok[None, :])
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=time_ok[:, None] & channel_ok[None, :])
 
 
 @triton.jit
-def _short_conv_backward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, dy_ptr, dpre_ptr, dweight_ptr, T, D,
+def _short_conv_backward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, dy_ptr, dpre_ptr, dweight_ptr,
+                                T, D, GROUP, eps,
                                 K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                                HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr):
-    """dpre = dy * silu'(pre) (fp32, for the input gradient's kernel) and this tile's share of the
-    weight gradient, sum_t dpre_t x_{t - reach}, into dweight [B, T / BT, D, K]."""
-    b = tl.program_id(2)
-    time_block = tl.program_id(0)
-    times = time_block * BT + tl.arange(0, BT)
-    channels = tl.program_id(1) * BD + tl.arange(0, BD)
-    time_ok, channel_ok = times < T, channels < D
+                                HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, NORMALIZE: tl.constexpr):
+    """dpre, the gradient before the SiLU (fp32, for the input gradient's kernel), and this tile's
+    share of the weight gradient, sum_t dpre_t x_{t - reach}, into dweight [B, T / BT, D, K]."""
+    b, times, channels, time_ok, channel_ok = _conv_tile_indices(T, D, GROUP, BT, BD)
     mask = time_ok[:, None] & channel_ok[None, :]
     pre = _conv_window(x_ptr, state_ptr, positions_ptr, weight_ptr, b, times, channels, time_ok, channel_ok, T, D,
                        K, BT, BD, HAS_STATE, HAS_POSITIONS)
     offsets = (b * T + times).to(tl.int64)[:, None] * D + channels[None, :]
     sig = tl.sigmoid(pre)
-    dpre = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if NORMALIZE:
+        y = pre * sig
+        rstd = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) + eps)
+        y_hat = y * rstd[:, None]
+        dy = rstd[:, None] * (dy - y_hat * tl.sum(dy * y_hat, axis=1)[:, None])
+    # d silu(z) / dz = sig(z) (1 + z (1 - sig(z)))
+    dpre = dy * sig * (1.0 + pre * (1.0 - sig))
     tl.store(dpre_ptr + offsets, dpre, mask=mask)
-    if HAS_POSITIONS:
-        positions = tl.load(positions_ptr + b * T + times, mask=time_ok, other=0)
-    dweight_row = ((b * tl.num_programs(0) + time_block) * D + channels).to(tl.int64) * K
+    dweight_row = ((b * tl.num_programs(0) + tl.program_id(0)) * D + channels).to(tl.int64) * K
     for i in tl.static_range(K):
-        reach = K - 1 - i
-        source = times - reach
-        ok = (time_ok & (source >= 0))[:, None] & channel_ok[None, :]
-        if HAS_POSITIONS:
-            ok = ok & (positions >= reach)[:, None]
-        x = tl.load(x_ptr + (b * T + source).to(tl.int64)[:, None] * D + channels[None, :], mask=ok, other=0.0)
-        if HAS_STATE:
-            from_state = (time_ok & (source < 0))[:, None] & channel_ok[None, :]
-            x += tl.load(state_ptr + (b * D + channels[None, :]) * (K - 1) + (K - 1 + source)[:, None],
-                         mask=from_state, other=0.0)
-        tl.store(dweight_ptr + dweight_row + i, tl.sum(dpre * x.to(tl.float32), axis=0), mask=channel_ok)
+        x = _conv_tile(x_ptr, state_ptr, positions_ptr, b, times, channels, time_ok, channel_ok, T, D, i,
+                       K, HAS_STATE, HAS_POSITIONS)
+        tl.store(dweight_ptr + dweight_row + i, tl.sum(dpre * x, axis=0), mask=channel_ok)
 
 
 @triton.jit
 def _short_conv_input_grad_kernel(dpre_ptr, positions_ptr, weight_ptr, dx_ptr, T, D,
                                   K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_POSITIONS: tl.constexpr):
     """dx_s = sum_i w_i dpre_{s + reach_i}, over the outputs s + reach_i that read x_s."""
-    b = tl.program_id(2)
-    times = tl.program_id(0) * BT + tl.arange(0, BT)
-    channels = tl.program_id(1) * BD + tl.arange(0, BD)
-    time_ok, channel_ok = times < T, channels < D
+    b, times, channels, time_ok, channel_ok = _conv_tile_indices(T, D, BD, BT, BD)
     dx = tl.zeros([BT, BD], dtype=tl.float32)
     for i in tl.static_range(K):
         reach = K - 1 - i
@@ -316,22 +353,28 @@ def _short_conv_input_grad_kernel(dpre_ptr, positions_ptr, weight_ptr, dx_ptr, T
 
 
 CONV_BLOCK_T, CONV_BLOCK_D = 32, 128
+L2_EPS = 1e-6  # modeling_reslin.l2_normalize's
+
+
+def _conv_grid(B, T, D, group):
+    return _cdiv(T, CONV_BLOCK_T), _cdiv(D, group), B
 
 
 class _ShortConvolution(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, state, positions):
+    def forward(ctx, x, weight, state, positions, l2_head_size):
         B, T, D = x.shape
         K = weight.shape[-1]
         x = x.contiguous()
         weight = weight.reshape(D, K).contiguous()
+        group = l2_head_size or CONV_BLOCK_D
         y = torch.empty_like(x)
-        grid = (_cdiv(T, CONV_BLOCK_T), _cdiv(D, CONV_BLOCK_D), B)
         with _on_device(x):
-            _short_conv_forward_kernel[grid](x, state, positions, weight, y, T, D, K=K, BT=CONV_BLOCK_T,
-                                             BD=CONV_BLOCK_D, HAS_STATE=state is not None,
-                                             HAS_POSITIONS=positions is not None)
+            _short_conv_forward_kernel[_conv_grid(B, T, D, group)](
+                x, state, positions, weight, y, T, D, group, L2_EPS, K=K, BT=CONV_BLOCK_T, BD=_next_power_of_2(group),
+                HAS_STATE=state is not None, HAS_POSITIONS=positions is not None, NORMALIZE=l2_head_size is not None)
         ctx.save_for_backward(x, weight, state, positions)
+        ctx.l2_head_size = l2_head_size
         return y
 
     @staticmethod
@@ -339,16 +382,20 @@ class _ShortConvolution(torch.autograd.Function):
         x, weight, state, positions = ctx.saved_tensors
         B, T, D = x.shape
         K = weight.shape[-1]
+        group = ctx.l2_head_size or CONV_BLOCK_D
         dy = dy.contiguous()
         dpre = torch.empty(B, T, D, device=x.device, dtype=torch.float32)
-        grid = (_cdiv(T, CONV_BLOCK_T), _cdiv(D, CONV_BLOCK_D), B)
+        grid = _conv_grid(B, T, D, group)
         dweight = x.new_empty(B, grid[0], D, K, dtype=torch.float32)
         dx = torch.empty_like(x)
-        flags = dict(K=K, BT=CONV_BLOCK_T, BD=CONV_BLOCK_D, HAS_POSITIONS=positions is not None)
         with _on_device(x):
-            _short_conv_backward_kernel[grid](x, state, positions, weight, dy, dpre, dweight, T, D,
-                                              HAS_STATE=state is not None, **flags)
-            _short_conv_input_grad_kernel[grid](dpre, positions, weight, dx, T, D, **flags)
+            _short_conv_backward_kernel[grid](
+                x, state, positions, weight, dy, dpre, dweight, T, D, group, L2_EPS, K=K, BT=CONV_BLOCK_T,
+                BD=_next_power_of_2(group), HAS_STATE=state is not None, HAS_POSITIONS=positions is not None,
+                NORMALIZE=ctx.l2_head_size is not None)
+            _short_conv_input_grad_kernel[_conv_grid(B, T, D, CONV_BLOCK_D)](
+                dpre, positions, weight, dx, T, D, K=K, BT=CONV_BLOCK_T, BD=CONV_BLOCK_D,
+                HAS_POSITIONS=positions is not None)
         dstate = None
         if state is not None and ctx.needs_input_grad[2]:
             # The state's inputs sit at t = j - (K - 1), read by the outputs t + reach that exist.
@@ -358,13 +405,15 @@ class _ShortConvolution(torch.autograd.Function):
                     if j - i < T:
                         dstate[:, :, j] += weight[:, i].float() * dpre[:, j - i]
             dstate = dstate.to(state.dtype)
-        return dx, dweight.sum((0, 1)).to(weight.dtype).view(D, 1, K), dstate, None
+        return dx, dweight.sum((0, 1)).to(weight.dtype).view(D, 1, K), dstate, None, None
 
 
-def short_convolution(x, weight, state=None, positions=None):
+def short_convolution(x, weight, state=None, positions=None, l2_head_size=None):
     """silu(causal depthwise convolution) of x [B, T, D] with taps weight [D, 1, K], fp32 inside,
     in x's dtype. `state` [B, D, K - 1]: the inputs before x (zeros if None). `positions` [B, T]:
-    each token's index in its own packed sequence, so no window crosses a sequence's start."""
+    each token's index in its own packed sequence, so no window crosses a sequence's start.
+    `l2_head_size`: then each head of that many channels is L2-normalised after the SiLU,
+    y / sqrt(||y||^2 + 1e-6), without keeping the unnormalised output for the backward."""
     B, T, D = x.shape
     if weight.dim() != 3 or weight.shape[:2] != (D, 1):
         raise ValueError(f"weight must be [D={D}, 1, K], got {tuple(weight.shape)}")
@@ -377,4 +426,6 @@ def short_convolution(x, weight, state=None, positions=None):
         if positions.shape != (B, T):
             raise ValueError(f"positions must be [B, T] = {(B, T)}, got {tuple(positions.shape)}")
         positions = positions.contiguous()
-    return _ShortConvolution.apply(x, weight, state, positions)
+    if l2_head_size is not None and not (0 < l2_head_size <= MAX_L2_HEAD_SIZE and D % l2_head_size == 0):
+        raise ValueError(f"l2_head_size must divide D = {D} and be at most {MAX_L2_HEAD_SIZE}, got {l2_head_size}")
+    return _ShortConvolution.apply(x, weight, state, positions, l2_head_size)

@@ -64,11 +64,10 @@ def runs_fused(fused, x):
     return fused and x.is_cuda and not torch.compiler.is_compiling()
 
 
-def l2_normalize(x, fused=False, eps=1e-6):
-    """x / sqrt(||x||^2 + eps) in fp32, written as rms_norm(x) with eps / D, divided by sqrt(D)."""
+def l2_normalize(x, eps=1e-6):
+    """x / sqrt(||x||^2 + eps) in fp32, written as rms_norm(x) with eps / D, divided by sqrt(D):
+    two kernels on CUDA (F.rms_norm is fused there) where the formula written out is five."""
     D = x.shape[-1]
-    if runs_fused(fused, x):
-        return fused_rms_norm(x, None, eps / D, scale=D ** -0.5)
     return (F.rms_norm(x.float(), (D,), eps=eps / D) * D ** -0.5).to(x.dtype)
 
 
@@ -102,16 +101,18 @@ class ResLinShortConvolution(nn.Conv1d):
     `state` holds the last K - 1 inputs before `x` (zeros at the start of a sequence), so a
     prefill, a decode step and a prefill continuing from a cache read one window. With packed
     sequences, `positions` [B, T] (each token's index in its own sequence) keeps every window
-    inside its sequence.
+    inside its sequence. With `l2_head_size` each head of that many channels is L2-normalised
+    after the SiLU (q and k): the fused kernel then keeps no unnormalised copy for the backward.
     """
 
     def __init__(self, dim, kernel_size, fused=False):
         super().__init__(dim, dim, kernel_size, groups=dim, bias=False)
         self.fused = fused
 
-    def forward(self, x, state=None, positions=None):
+    def forward(self, x, state=None, positions=None, l2_head_size=None):
         if runs_fused(self.fused, x):
-            return fused_short_convolution(x, self.weight, state, positions), self.last_inputs(x, state)
+            y = fused_short_convolution(x, self.weight, state, positions, l2_head_size)
+            return y, self.last_inputs(x, state)
         x = x.transpose(1, 2)  # [B, D, T]
         if state is None:
             state = x.new_zeros(x.shape[0], x.shape[1], self.kernel_size[0] - 1)
@@ -133,7 +134,10 @@ class ResLinShortConvolution(nn.Conv1d):
                 tap = x[..., i:i + T] * weight[:, 0, i, None]
                 reach = K - 1 - i  # how far back this tap reads
                 y = y + (tap if positions is None or reach == 0 else tap * (positions >= reach)[:, None].to(tap.dtype))
-        return F.silu(y).transpose(1, 2), x[..., T:]
+        y = F.silu(y).transpose(1, 2)
+        if l2_head_size is not None:
+            y = l2_normalize(y.unflatten(-1, (-1, l2_head_size))).flatten(-2)
+        return y, x[..., T:]
 
     def last_inputs(self, x, state):
         """The state after x [B, T, D]: its last K - 1 inputs, [B, D, K - 1]."""
@@ -203,8 +207,10 @@ class ResLinLinearAttention(nn.Module):
         conv_state = cache.conv_states[self.layer_idx] if cache is not None else None
         q_state, k_state, v_state = conv_state if conv_state is not None else (None, None, None)
         positions = position_ids if cu_seqlens is not None else None
-        q, q_state = self.q_conv1d(self.q_proj(x), q_state, positions)
-        k, k_state = self.k_conv1d(self.k_proj(x), k_state, positions)
+        # q and k come out of their convolutions L2-normalised per head; KLA keeps raw keys.
+        kaczmarz = self.step_rule == "kaczmarz"
+        q, q_state = self.q_conv1d(self.q_proj(x), q_state, positions, l2_head_size=self.head_dim)
+        k, k_state = self.k_conv1d(self.k_proj(x), k_state, positions, None if kaczmarz else self.head_dim)
         v, v_state = self.v_conv1d(self.v_proj(x), v_state, positions)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_heads, self.head_dim)
@@ -215,16 +221,15 @@ class ResLinLinearAttention(nn.Module):
         beta = self.b_proj(x).float().sigmoid()
         gamma = self.gamma_proj(x).float().sigmoid() if self.use_residual else None
         gamma_write = None  # the residual state's write strength, when it is not gamma itself
-        q = l2_normalize(q, self.fused)
-        if self.step_rule == "kaczmarz":
+        if kaczmarz:
             # KLA keeps raw keys and takes the step eta / (||k||^2 + eps), per key head shared by its value
             # heads. With raw keys the residual state's delta rule needs the same step (a plain gamma
             # diverges once gamma ||k||^2 > 2), while its read keeps gamma.
-            key_norm2 = k.float().pow(2).sum(-1).repeat_interleave(self.num_v_heads // self.num_heads, dim=-1)
+            # (vector_norm in fp32 keeps no fp32 copy of k for the backward, where k.float() would.)
+            key_norm2 = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).square()
+            key_norm2 = key_norm2.repeat_interleave(self.num_v_heads // self.num_heads, dim=-1)
             beta = beta / (key_norm2 + self.kaczmarz_eps)
             gamma_write = gamma / (key_norm2 + self.kaczmarz_eps) if gamma is not None else None
-        else:
-            k = l2_normalize(k, self.fused)
         if token_mask is not None:
             # a = exp(0) = 1 and zero write strengths: a padded position passes every state through unchanged.
             step = token_mask.to(g.dtype)[..., None]
@@ -323,8 +328,18 @@ class ResLinMLP(nn.Module):
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if runs_fused(self.fused, x):
+            if is_plain_linear(self.down_proj):
+                return fused_swiglu(gate, up, self.down_proj.weight)
             return self.down_proj(fused_swiglu(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
+
+
+def is_plain_linear(module):
+    """A bias-free nn.Linear whose call runs only its own forward, so that its weight may be used
+    directly: not a PEFT adapter's wrapper, no hooks, no forward replaced (accelerate's offloading
+    replaces it)."""
+    return (type(module) is nn.Linear and module.bias is None and not module._forward_hooks
+            and not module._forward_pre_hooks and "forward" not in vars(module))
 
 
 class ResLinBlock(GradientCheckpointingLayer):

@@ -60,12 +60,10 @@ def test_rms_norms_match_the_modules(reslin, shape):
     N = shape[-1]
     norm, gated, _ = (m.to(DEVICE) for m in reference_modules(reslin, N))
     x, gate, dy = random(*shape), random(*shape), torch.randn(*shape, device=DEVICE)
-    for module, fused, reference, inputs in (
-            (norm, lambda: layers.rms_norm(x, norm.weight, norm.eps), lambda: norm(x), (x, norm.weight)),
-            (gated, lambda: layers.rms_norm(x, gated.weight, gated.eps, gate=gate), lambda: gated(x, gate),
-             (x, gated.weight, gate)),
-            (None, lambda: layers.rms_norm(x, None, 1e-6 / N, scale=N ** -0.5),
-             lambda: reslin.modeling.l2_normalize(x), (x,))):
+    for fused, reference, inputs in (
+            (lambda: layers.rms_norm(x, norm.weight, norm.eps), lambda: norm(x), (x, norm.weight)),
+            (lambda: layers.rms_norm(x, gated.weight, gated.eps, gate=gate), lambda: gated(x, gate),
+             (x, gated.weight, gate))):
         assert_close((y := fused(), grads(y, inputs, dy)), (y := reference(), grads(y, inputs, dy)), 1e-5)
 
 
@@ -77,6 +75,17 @@ def test_swiglu_matches_silu_times_up(numel):
                  (y := F.silu(gate) * up, grads(y, (gate, up), dy)), 1e-5)
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_swiglu_with_the_down_projection(frozen):
+    """swiglu(gate, up, W) = F.linear(silu(gate) * up, W), also when W takes no gradient."""
+    torch.manual_seed(0)
+    gate, up, dy = random(3, 5, 40), random(3, 5, 40), torch.randn(3, 5, 24, device=DEVICE)
+    weight = torch.randn(24, 40, device=DEVICE).requires_grad_(not frozen)
+    inputs = (gate, up) if frozen else (gate, up, weight)
+    assert_close((y := layers.swiglu(gate, up, weight), grads(y, inputs, dy)),
+                 (y := F.linear(F.silu(gate) * up, weight), grads(y, inputs, dy)), 1e-5)
+
+
 def packed_positions(T, starts, B):
     """Each token's index in its own sequence, for sequences starting at `starts` (0 first)."""
     bounds = list(starts) + [T]
@@ -86,12 +95,15 @@ def packed_positions(T, starts, B):
 # (B, T, D, K, with a state, packed sequence starts): T below, at and past the block of 32, one
 # token (a decode step), channels not a multiple of the block of 128, K = 3 and 4, sequences of
 # one token.
-CONV_CASES = [(2, 37, 130, 4, False, None), (2, 5, 16, 4, True, None), (3, 1, 24, 4, True, None),
-              (1, 2, 8, 4, True, None), (1, 70, 40, 3, False, (0, 20, 21, 22)), (1, 64, 32, 4, False, (0, 3))]
+# With l2_head_size: heads of 16, 24 (not a power of two: masked lanes) and 130 (past the block of 128).
+CONV_CASES = [(2, 37, 130, 4, False, None, None), (2, 5, 16, 4, True, None, None), (3, 1, 24, 4, True, None, None),
+              (1, 2, 8, 4, True, None, None), (1, 70, 40, 3, False, (0, 20, 21, 22), None),
+              (1, 64, 32, 4, False, (0, 3), None), (2, 37, 48, 4, True, None, 16), (1, 70, 48, 4, False, (0, 20), 24),
+              (3, 1, 32, 4, True, None, 16), (1, 33, 260, 4, False, None, 130)]
 
 
-@pytest.mark.parametrize("B,T,D,K,with_state,starts", CONV_CASES)
-def test_short_convolution_matches_the_module(reslin, B, T, D, K, with_state, starts):
+@pytest.mark.parametrize("B,T,D,K,with_state,starts,l2_head_size", CONV_CASES)
+def test_short_convolution_matches_the_module(reslin, B, T, D, K, with_state, starts, l2_head_size):
     torch.manual_seed(0)
     _, _, conv = reference_modules(reslin, D, K)
     conv = conv.to(DEVICE)
@@ -99,8 +111,8 @@ def test_short_convolution_matches_the_module(reslin, B, T, D, K, with_state, st
     state = random(B, D, K - 1) if with_state else None
     positions = packed_positions(T, starts, B) if starts else None
     inputs = [t for t in (x, conv.weight, state) if t is not None]
-    y_ref, state_ref = conv(x, state, positions)
-    assert_close((y := layers.short_convolution(x, conv.weight, state, positions), grads(y, inputs, dy)),
+    y_ref, state_ref = conv(x, state, positions, l2_head_size)
+    assert_close((y := layers.short_convolution(x, conv.weight, state, positions, l2_head_size), grads(y, inputs, dy)),
                  (y_ref, grads(y_ref, inputs, dy)), 1e-5)
     assert torch.equal(conv.last_inputs(x, state), state_ref)
 
@@ -110,15 +122,19 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="weight must be"):
         layers.rms_norm(x, torch.ones(7, device=DEVICE))
     with pytest.raises(ValueError, match="gate must be shaped like x"):
-        layers.rms_norm(x, None, gate=torch.ones(2, 5, 4, device=DEVICE))
+        layers.rms_norm(x, torch.ones(8, device=DEVICE), gate=torch.ones(2, 5, 4, device=DEVICE))
     with pytest.raises(ValueError, match="at most 16384"):
-        layers.rms_norm(torch.randn(1, 16385, device=DEVICE))
+        layers.rms_norm(torch.randn(1, 16385, device=DEVICE), torch.ones(16385, device=DEVICE))
     with pytest.raises(ValueError, match="gate and up must match"):
         layers.swiglu(x, x[..., :4])
+    with pytest.raises(ValueError, match=r"down_weight must be \[hidden, 8\]"):
+        layers.swiglu(x, x, torch.ones(4, 7, device=DEVICE))
     with pytest.raises(ValueError, match=r"weight must be \[D=8, 1, K\]"):
         layers.short_convolution(x, torch.ones(8, 4, device=DEVICE))
     with pytest.raises(ValueError, match=r"state must be \[B, D, K - 1\]"):
         layers.short_convolution(x, torch.ones(8, 1, 4, device=DEVICE), torch.zeros(2, 8, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="l2_head_size must divide D = 8"):
+        layers.short_convolution(x, torch.ones(8, 1, 4, device=DEVICE), l2_head_size=3)
     with pytest.raises(ValueError, match=r"positions must be \[B, T\]"):
         layers.short_convolution(x, torch.ones(8, 1, 4, device=DEVICE), None, torch.zeros(2, 4, device=DEVICE))
 
@@ -169,6 +185,36 @@ def test_model_through_the_fused_layers(reslin, monkeypatch, mixer_name):
     assert rel_err(torch.cat(steps, dim=1), full) <= 1e-5
 
 
+def test_down_projection_taken_along_only_when_plain(reslin, monkeypatch):
+    """The MLP hands its down projection's weight to the fused SwiGLU only when calling the module
+    would run nothing else; a LoRA-wrapped model through the fused layers keeps its gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    plain = torch.nn.Linear(4, 3, bias=False)
+    assert reslin.modeling.is_plain_linear(plain)
+    assert not reslin.modeling.is_plain_linear(torch.nn.Linear(4, 3))
+    hooked = torch.nn.Linear(4, 3, bias=False)
+    hooked.register_forward_hook(lambda *args: None)
+    assert not reslin.modeling.is_plain_linear(hooked)
+    replaced = torch.nn.Linear(4, 3, bias=False)
+    replaced.forward = lambda x: x  # what accelerate's offloading hooks do
+    assert not reslin.modeling.is_plain_linear(replaced)
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(reslin.modeling, "runs_fused", lambda fused, x: fused)
+    torch.manual_seed(0)
+    model = get_peft_model(build_model("gdn"), LoraConfig(r=4, target_modules=["down_proj", "q_proj"],
+                                                           init_lora_weights=False)).to(DEVICE).train()
+    assert not reslin.modeling.is_plain_linear(model.base_model.model.model.layers[0].mlp.down_proj)
+    ids = torch.randint(1, 100, (2, 9), device=DEVICE)
+    (loss, grads_fused), (loss_ref, grads_ref) = (model_loss_and_grads(model, fused, input_ids=ids)
+                                                  for fused in (True, False))
+    assert rel_err(loss, loss_ref) <= 1e-5
+    assert len(grads_fused) == len(grads_ref) > 0
+    for grad, grad_ref in zip(grads_fused, grads_ref):
+        assert rel_err(grad, grad_ref) <= 1e-4
+
+
 # --- GPU: compiled, bf16, a 400M model's sizes ----------------------------------------------------
 
 def real_size_case(fused, reference, inputs, dtype):
@@ -184,8 +230,9 @@ def real_size_case(fused, reference, inputs, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @on_gpu
 def test_fused_layers_in_low_precision_at_real_sizes(reslin, dtype):
-    """A 400M model's shapes, B4 x T4096: the hidden norm (1024), the per-head gated and L2 norms
-    (128), the convolutions with packed sequences, SwiGLU of 2816."""
+    """A 400M model's shapes, B4 x T4096: the hidden norm (1024), the per-head gated norm (128),
+    the convolution with packed sequences, without and with the L2 norm of heads of 128, SwiGLU
+    of 2816."""
     torch.manual_seed(0)
     B, T, hidden, heads, head_dim, inner = 4, 4096, 1024, 8, 128, 2816
     norm, _, conv = reference_modules(reslin, hidden)
@@ -199,11 +246,13 @@ def test_fused_layers_in_low_precision_at_real_sizes(reslin, dtype):
                  (x, norm.weight)),
         "gated": (lambda x, w, z: layers.rms_norm(x, w, gated.eps, gate=z),
                   lambda x, w, z: F.rms_norm(x, (head_dim,), w, gated.eps) * F.silu(z), (heads_x, gated.weight, gate)),
-        "l2": (lambda x: layers.rms_norm(x, None, 1e-6 / head_dim, scale=head_dim ** -0.5),
-               lambda x: reslin.modeling.l2_normalize(x), (heads_x,)),
         "conv": (lambda x, w: layers.short_convolution(x, w, None, positions),
                  lambda x, w: torch.func.functional_call(conv, {"weight": w}, (x, None, positions))[0],
                  (x, conv.weight)),
+        "conv, L2 per head": (lambda x, w: layers.short_convolution(x, w, None, positions, head_dim),
+                              lambda x, w: torch.func.functional_call(conv, {"weight": w},
+                                                                      (x, None, positions, head_dim))[0],
+                              (x, conv.weight)),
         "swiglu": (layers.swiglu, lambda a, b: F.silu(a) * b, torch.randn(2, B * T, inner, device="cuda")),
     }
     for name, (fused, reference, inputs) in cases.items():
