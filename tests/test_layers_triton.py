@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import build_model
+from conftest import build_config, build_model
 from test_generate import cache_of
 from test_kernels import rel_err
 
@@ -213,6 +213,44 @@ def test_down_projection_taken_along_only_when_plain(reslin, monkeypatch):
     assert len(grads_fused) == len(grads_ref) > 0
     for grad, grad_ref in zip(grads_fused, grads_ref):
         assert rel_err(grad, grad_ref) <= 1e-4
+
+
+def saved_bytes_per_token(module, x):
+    """Bytes of the activations autograd keeps for the backward of module(x), per token (each
+    storage counted once, parameters not counted)."""
+    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in parameters:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(kept.values()) / (x.shape[0] * x.shape[1])
+
+
+@pytest.mark.parametrize("mixer_name", ["gdn", "kla", "rdn"])
+def test_fused_block_keeps_few_activations(reslin, monkeypatch, mixer_name):
+    """A block through the fused layers keeps, per token, 13 tensors as wide as the hidden size
+    (the two norms' inputs and outputs, q, k, v before and after their convolutions, the output
+    gate, the attention's output and the gated norm's), SwiGLU's two inputs, and the gates: within
+    3% of that sum in fp32 (the gates and the per-sequence initial states). The torch code keeps
+    1.5x as much or more (SiLU's outputs, q and k before their norms, SwiGLU's product; in bf16
+    also its fp32 copies)."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(reslin.modeling, "runs_fused", lambda fused, x: fused)
+    hidden, inner = 64, 128
+    config = build_config(mixer_name, hidden_size=hidden, num_heads=2, head_dim=32, intermediate_size=inner,
+                          kernel_backend="triton")
+    block = reslin.modeling.ResLinBlock(config, 0).to(DEVICE)
+    x = torch.randn(1, 256, hidden, device=DEVICE, requires_grad=True)
+    expected = 4 * (13 * hidden + 2 * inner)
+    fused = saved_bytes_per_token(block, x)
+    assert expected <= fused < 1.03 * expected
+    set_fused(block, False)
+    assert saved_bytes_per_token(block, x) > 1.5 * fused
 
 
 # --- GPU: compiled, bf16, a 400M model's sizes ----------------------------------------------------
