@@ -22,6 +22,9 @@ except ImportError:  # modeling_reslin then runs the torch code
 import torch
 
 TILE_ELEMENTS = 4096  # elements per program in the row-wise kernels
+# Warps per program for every kernel here: with 4, ptxas spilled registers in the backward kernels
+# (tools/compile_for_gpu.py --registers --layers-only), with 8 it does not.
+NUM_WARPS = 8
 MAX_NORM_SIZE = 16384  # one program holds a whole row
 MAX_L2_HEAD_SIZE = 256  # the convolution's tile holds a whole head
 
@@ -110,7 +113,7 @@ class _RMSNorm(torch.autograd.Function):
         with _on_device(x):
             _rms_norm_forward_kernel[(_cdiv(M, BLOCK_M),)](
                 x2, weight, gate2, y, M, N, eps, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GATED=gate is not None,
-                num_warps=8 if BLOCK_N >= 4096 else 4)
+                num_warps=NUM_WARPS)
         ctx.save_for_backward(x2, weight, gate2)
         ctx.eps, ctx.shape = eps, x.shape
         return y.view(x.shape)
@@ -131,7 +134,7 @@ class _RMSNorm(torch.autograd.Function):
         with _on_device(x2):
             _rms_norm_backward_kernel[(programs,)](
                 x2, weight, gate2, dy, dx, dgate, dweight, M, N, ctx.eps, blocks_per_program,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GATED=gate2 is not None, num_warps=8 if BLOCK_N >= 4096 else 4)
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GATED=gate2 is not None, num_warps=NUM_WARPS)
         dweight = dweight.sum(0).to(weight.dtype)
         dgate = dgate.view(ctx.shape) if dgate is not None else None
         return dx.view(ctx.shape), dweight, dgate, None
@@ -179,7 +182,8 @@ def _swiglu_backward_kernel(gate_ptr, up_ptr, dy_ptr, dgate_ptr, dup_ptr, numel,
 def _swiglu_forward(gate, up):
     y = torch.empty_like(gate)
     with _on_device(gate):
-        _swiglu_forward_kernel[(_cdiv(gate.numel(), TILE_ELEMENTS),)](gate, up, y, gate.numel(), BLOCK=TILE_ELEMENTS)
+        _swiglu_forward_kernel[(_cdiv(gate.numel(), TILE_ELEMENTS),)](gate, up, y, gate.numel(), BLOCK=TILE_ELEMENTS,
+                                                                      num_warps=NUM_WARPS)
     return y
 
 
@@ -188,7 +192,7 @@ def _swiglu_backward(gate, up, dy):
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     with _on_device(gate):
         _swiglu_backward_kernel[(_cdiv(gate.numel(), TILE_ELEMENTS),)](gate, up, dy, dgate, dup, gate.numel(),
-                                                                       BLOCK=TILE_ELEMENTS)
+                                                                       BLOCK=TILE_ELEMENTS, num_warps=NUM_WARPS)
     return dgate, dup
 
 
@@ -353,11 +357,14 @@ def _short_conv_input_grad_kernel(dpre_ptr, positions_ptr, weight_ptr, dx_ptr, T
 
 
 CONV_BLOCK_T, CONV_BLOCK_D = 32, 128
+# The backward kernel recomputes the window and reloads it for the weight gradient: with 32 times a
+# tile it spilled registers, even at 8 warps.
+CONV_BACKWARD_BLOCK_T = 16
 L2_EPS = 1e-6  # modeling_reslin.l2_normalize's
 
 
-def _conv_grid(B, T, D, group):
-    return _cdiv(T, CONV_BLOCK_T), _cdiv(D, group), B
+def _conv_grid(B, T, D, group, block_t=CONV_BLOCK_T):
+    return _cdiv(T, block_t), _cdiv(D, group), B
 
 
 class _ShortConvolution(torch.autograd.Function):
@@ -372,7 +379,8 @@ class _ShortConvolution(torch.autograd.Function):
         with _on_device(x):
             _short_conv_forward_kernel[_conv_grid(B, T, D, group)](
                 x, state, positions, weight, y, T, D, group, L2_EPS, K=K, BT=CONV_BLOCK_T, BD=_next_power_of_2(group),
-                HAS_STATE=state is not None, HAS_POSITIONS=positions is not None, NORMALIZE=l2_head_size is not None)
+                HAS_STATE=state is not None, HAS_POSITIONS=positions is not None, NORMALIZE=l2_head_size is not None,
+                num_warps=NUM_WARPS)
         ctx.save_for_backward(x, weight, state, positions)
         ctx.l2_head_size = l2_head_size
         return y
@@ -385,17 +393,17 @@ class _ShortConvolution(torch.autograd.Function):
         group = ctx.l2_head_size or CONV_BLOCK_D
         dy = dy.contiguous()
         dpre = torch.empty(B, T, D, device=x.device, dtype=torch.float32)
-        grid = _conv_grid(B, T, D, group)
+        grid = _conv_grid(B, T, D, group, CONV_BACKWARD_BLOCK_T)
         dweight = x.new_empty(B, grid[0], D, K, dtype=torch.float32)
         dx = torch.empty_like(x)
         with _on_device(x):
             _short_conv_backward_kernel[grid](
-                x, state, positions, weight, dy, dpre, dweight, T, D, group, L2_EPS, K=K, BT=CONV_BLOCK_T,
+                x, state, positions, weight, dy, dpre, dweight, T, D, group, L2_EPS, K=K, BT=CONV_BACKWARD_BLOCK_T,
                 BD=_next_power_of_2(group), HAS_STATE=state is not None, HAS_POSITIONS=positions is not None,
-                NORMALIZE=ctx.l2_head_size is not None)
+                NORMALIZE=ctx.l2_head_size is not None, num_warps=NUM_WARPS)
             _short_conv_input_grad_kernel[_conv_grid(B, T, D, CONV_BLOCK_D)](
                 dpre, positions, weight, dx, T, D, K=K, BT=CONV_BLOCK_T, BD=CONV_BLOCK_D,
-                HAS_POSITIONS=positions is not None)
+                HAS_POSITIONS=positions is not None, num_warps=NUM_WARPS)
         dstate = None
         if state is not None and ctx.needs_input_grad[2]:
             # The state's inputs sit at t = j - (K - 1), read by the outputs t + reach that exist.

@@ -1,10 +1,11 @@
-"""Compile every chunked Triton kernel for an H200 (sm_90) on any machine, GPU or not, and check
+"""Compile every chunked Triton kernel, and every fused layer kernel (kernels_reslin_triton_layers),
+for an H200 (sm_90) on any machine, GPU or not, and check
 what the compiler can tell without running: that each variant compiles, and that its shared
 memory fits the GPU (232448 bytes on an H200; a launch past it fails with OutOfResources).
 Device time is scarce: this catches compile errors and shared-memory overflows before a GPU run.
 Register spills are only reported when a kernel is loaded on a GPU.
 
-    python tools/compile_for_gpu.py [--head-sizes 64 128 256] [--dtypes bf16 fp32] [--registers]
+    python tools/compile_for_gpu.py [--head-sizes 64 128 256] [--dtypes bf16 fp32] [--registers] [--layers-only]
 
 The launch configurations (tiles, warps) are those kernels_reslin_triton's host code chooses for
 large batches (keep `launches` in step with it); the pipelining depths are its own
@@ -27,6 +28,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import kernels_reslin_triton as kernels  # noqa: E402
+import kernels_reslin_triton_layers as layer_kernels  # noqa: E402
 
 SHARED_MEMORY = 232448
 DTYPES = {"bf16": (tl.bfloat16, "*bf16"), "fp16": (tl.float16, "*fp16"), "fp32": (tl.float32, "*fp32")}
@@ -82,12 +84,63 @@ def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages, head_si
         else:
             signature[name] = "fp32" if name in ("scale", "clip") else "i64" if name == "T" else "i32"
     aligned = [name for name in params if name.endswith("_ptr") or sizes.get(name, 1) % 16 == 0 and name in sizes]
+    return compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages)
+
+
+def compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages):
+    params = list(inspect.signature(fn.fn).parameters)
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(params.index(name),): value for name, value in constexprs.items()},
                        attrs={(params.index(name),): [["tt.divisibility", 16]] for name in aligned
                               if name not in constexprs})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+# The fused layer kernels: activations in the input dtype, fp32 weights (autocast keeps the
+# parameters fp32), fp32 gradient buffers, int64 positions. An absent optional pointer is None,
+# a constexpr, as a launch passes it.
+LAYER_FP32_POINTERS = ("weight_ptr", "dpre_ptr", "dweight_ptr")
+
+
+def layer_launches():
+    """(kernel, constexprs, pointers passed as None, num_warps), as the host code launches them."""
+    conv, warps = dict(K=4, BT=layer_kernels.CONV_BLOCK_T), layer_kernels.NUM_WARPS
+    backward_conv = dict(conv, BT=layer_kernels.CONV_BACKWARD_BLOCK_T)
+    variants = []
+    for BLOCK_N in (128, 1024):
+        for gated in (False, True):
+            blocks = dict(BLOCK_M=layer_kernels.TILE_ELEMENTS // BLOCK_N, BLOCK_N=BLOCK_N, GATED=gated)
+            absent = () if gated else ("gate_ptr", "dgate_ptr")
+            variants += [(layer_kernels._rms_norm_forward_kernel, blocks, absent, warps),
+                         (layer_kernels._rms_norm_backward_kernel, blocks, absent, warps)]
+    variants += [(fn, dict(BLOCK=layer_kernels.TILE_ELEMENTS), (), warps)
+                 for fn in (layer_kernels._swiglu_forward_kernel, layer_kernels._swiglu_backward_kernel)]
+    for has_positions in (False, True):
+        absent_positions = () if has_positions else ("positions_ptr",)
+        variants.append((layer_kernels._short_conv_input_grad_kernel,
+                         dict(conv, BD=layer_kernels.CONV_BLOCK_D, HAS_POSITIONS=has_positions), absent_positions,
+                         warps))
+        for has_state in (False, True):
+            for normalize in (False, True):
+                flags = dict(BD=layer_kernels.CONV_BLOCK_D, HAS_STATE=has_state, HAS_POSITIONS=has_positions,
+                             NORMALIZE=normalize)
+                absent = absent_positions + (() if has_state else ("state_ptr",))
+                variants += [(layer_kernels._short_conv_forward_kernel, dict(conv, **flags), absent, warps),
+                             (layer_kernels._short_conv_backward_kernel, dict(backward_conv, **flags), absent, warps)]
+    return variants
+
+
+def compile_layer_variant(fn, constexprs, absent, pointer_type, num_warps):
+    params = list(inspect.signature(fn.fn).parameters)
+    constexprs = {**constexprs, **{name: None for name in absent if name in params}}
+    signature = {name: "constexpr" if name in constexprs else
+                 "*i64" if name == "positions_ptr" else
+                 "*fp32" if name in LAYER_FP32_POINTERS else
+                 pointer_type if name.endswith("_ptr") else
+                 "fp32" if name == "eps" else "i32" for name in params}
+    aligned = [name for name in params if name.endswith("_ptr")]
+    return compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages=3)
 
 
 def registers(compiled):
@@ -110,11 +163,12 @@ def main():
     parser.add_argument("--head-sizes", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
     parser.add_argument("--registers", action="store_true", help="also ptxas's registers and spills per variant")
+    parser.add_argument("--layers-only", action="store_true", help="only the fused layer kernels")
     args = parser.parse_args()
     failures = 0
     for dtype in args.dtypes:
         DT, pointer_type = DTYPES[dtype]
-        for head_size in args.head_sizes:
+        for head_size in [] if args.layers_only else args.head_sizes:
             for delta in (True, False):
                 for residual in (False, True):
                     for fn, constexprs, warps, stages in launches(head_size, head_size, residual, dtype == "fp32"):
@@ -141,6 +195,17 @@ def main():
                         extra = f", {registers(compiled)}" if args.registers else ""
                         print(f"{label}: {shared:6d} B shared{'' if fits else ' > ' + str(SHARED_MEMORY)}{extra}"
                               f" ({time.time() - start:.0f} s)", flush=True)
+        for fn, constexprs, absent, warps in layer_launches():
+            flags = " ".join(f"{k}={v}" for k, v in constexprs.items() if isinstance(v, bool) or k == "BLOCK_N")
+            label = f"{fn.fn.__name__:30s} {dtype} {flags}"
+            try:
+                compiled = compile_layer_variant(fn, constexprs, absent, pointer_type, warps)
+            except Exception as error:  # report every variant, then fail
+                failures += 1
+                print(f"{label}: does not compile: {str(error).splitlines()[0][:300]}", flush=True)
+                continue
+            extra = f", {registers(compiled)}" if args.registers else ""
+            print(f"{label}: {compiled.metadata.shared:6d} B shared{extra}", flush=True)
     print(f"{failures} variant(s) failed")
     sys.exit(1 if failures else 0)
 
