@@ -37,6 +37,8 @@ def load_modeling():
 
 
 def kept_bytes_per_token(block, x):
+    """Bytes of the activations autograd keeps for the backward of block(x), per token (each
+    storage counted once, parameters not counted)."""
     parameters = {p.untyped_storage().data_ptr() for p in block.parameters()}
     kept = {}
 

@@ -7,6 +7,8 @@ On the GPU (`pytest -m gpu`) the kernels run compiled in bf16 at a 400M model's 
 the fp32 torch code: relative error <= 1e-2 (bf16 rounding of outputs and gradients).
 """
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -215,22 +217,6 @@ def test_down_projection_taken_along_only_when_plain(reslin, monkeypatch):
         assert rel_err(grad, grad_ref) <= 1e-4
 
 
-def saved_bytes_per_token(module, x):
-    """Bytes of the activations autograd keeps for the backward of module(x), per token (each
-    storage counted once, parameters not counted)."""
-    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    kept = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in parameters:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(x)
-    return sum(kept.values()) / (x.shape[0] * x.shape[1])
-
-
 @pytest.mark.parametrize("mixer_name", ["gdn", "kla", "rdn"])
 def test_fused_block_keeps_few_activations(reslin, monkeypatch, mixer_name):
     """A block through the fused layers keeps, per token, 13 tensors as wide as the hidden size
@@ -239,6 +225,9 @@ def test_fused_block_keeps_few_activations(reslin, monkeypatch, mixer_name):
     3% of that sum in fp32 (the gates and the per-sequence initial states). The torch code keeps
     1.5x as much or more (SiLU's outputs, q and k before their norms, SwiGLU's product; in bf16
     also its fp32 copies)."""
+    sys.path.insert(0, str(reslin.repo_root / "benchmarks"))
+    from saved_activations import kept_bytes_per_token
+
     if DEVICE == "cpu":
         monkeypatch.setattr(reslin.modeling, "runs_fused", lambda fused, x: fused)
     hidden, inner = 64, 128
@@ -247,10 +236,10 @@ def test_fused_block_keeps_few_activations(reslin, monkeypatch, mixer_name):
     block = reslin.modeling.ResLinBlock(config, 0).to(DEVICE)
     x = torch.randn(1, 256, hidden, device=DEVICE, requires_grad=True)
     expected = 4 * (13 * hidden + 2 * inner)
-    fused = saved_bytes_per_token(block, x)
+    fused = kept_bytes_per_token(block, x)
     assert expected <= fused < 1.03 * expected
     set_fused(block, False)
-    assert saved_bytes_per_token(block, x) > 1.5 * fused
+    assert kept_bytes_per_token(block, x) > 1.5 * fused
 
 
 # --- GPU: compiled, bf16, a 400M model's sizes ----------------------------------------------------
