@@ -67,7 +67,7 @@ def _rms_norm_backward_kernel(x_ptr, weight_ptr, gate_ptr, dy_ptr, dx_ptr, dgate
                               M, N, eps, blocks_per_program,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
     # A program walks `blocks_per_program` row blocks, summing its share of dweight in registers;
-    # the host adds up the programs' shares.
+    # the host adds up the programs' shares, stored [N, programs] so that each sum is contiguous.
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -93,7 +93,7 @@ def _rms_norm_backward_kernel(x_ptr, weight_ptr, gate_ptr, dy_ptr, dx_ptr, dgate
         dx_hat = dy * weight
         dx = rstd[:, None] * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat, axis=1) / N)[:, None])
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dweight_ptr + program * N + cols, dweight, mask=col_ok)
+    tl.store(dweight_ptr + cols * tl.num_programs(0) + program, dweight, mask=col_ok)
 
 
 def _norm_blocks(N):
@@ -130,12 +130,12 @@ class _RMSNorm(torch.autograd.Function):
         programs = min(row_blocks, 1024)
         blocks_per_program = _cdiv(row_blocks, programs)
         programs = _cdiv(row_blocks, blocks_per_program)
-        dweight = x2.new_empty(programs, N, dtype=torch.float32)
+        dweight = x2.new_empty(N, programs, dtype=torch.float32)
         with _on_device(x2):
             _rms_norm_backward_kernel[(programs,)](
                 x2, weight, gate2, dy, dx, dgate, dweight, M, N, ctx.eps, blocks_per_program,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GATED=gate2 is not None, num_warps=NUM_WARPS)
-        dweight = dweight.sum(0).to(weight.dtype)
+        dweight = dweight.sum(1).to(weight.dtype)
         dgate = dgate.view(ctx.shape) if dgate is not None else None
         return dx.view(ctx.shape), dweight, dgate, None
 
@@ -313,7 +313,8 @@ def _short_conv_backward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, dy_
                                 K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                                 HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, NORMALIZE: tl.constexpr):
     """dpre, the gradient before the SiLU (fp32, for the input gradient's kernel), and this tile's
-    share of the weight gradient, sum_t dpre_t x_{t - reach}, into dweight [B, T / BT, D, K]."""
+    share of the weight gradient, sum_t dpre_t x_{t - reach}, into dweight [D, K, B * T / BT]: the
+    tiles' shares of one weight side by side, so that the host sums contiguous rows."""
     b, times, channels, time_ok, channel_ok = _conv_tile_indices(T, D, GROUP, BT, BD)
     mask = time_ok[:, None] & channel_ok[None, :]
     pre = _conv_window(x_ptr, state_ptr, positions_ptr, weight_ptr, b, times, channels, time_ok, channel_ok, T, D,
@@ -329,11 +330,13 @@ def _short_conv_backward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, dy_
     # d silu(z) / dz = sig(z) (1 + z (1 - sig(z)))
     dpre = dy * sig * (1.0 + pre * (1.0 - sig))
     tl.store(dpre_ptr + offsets, dpre, mask=mask)
-    dweight_row = ((b * tl.num_programs(0) + tl.program_id(0)) * D + channels).to(tl.int64) * K
+    tiles = tl.num_programs(0) * tl.num_programs(2)
+    tile = b * tl.num_programs(0) + tl.program_id(0)
     for i in tl.static_range(K):
         x = _conv_tile(x_ptr, state_ptr, positions_ptr, b, times, channels, time_ok, channel_ok, T, D, i,
                        K, HAS_STATE, HAS_POSITIONS)
-        tl.store(dweight_ptr + dweight_row + i, tl.sum(dpre * x, axis=0), mask=channel_ok)
+        tl.store(dweight_ptr + (channels * K + i).to(tl.int64) * tiles + tile, tl.sum(dpre * x, axis=0),
+                 mask=channel_ok)
 
 
 @triton.jit
@@ -394,7 +397,7 @@ class _ShortConvolution(torch.autograd.Function):
         dy = dy.contiguous()
         dpre = torch.empty(B, T, D, device=x.device, dtype=torch.float32)
         grid = _conv_grid(B, T, D, group, CONV_BACKWARD_BLOCK_T)
-        dweight = x.new_empty(B, grid[0], D, K, dtype=torch.float32)
+        dweight = x.new_empty(D, K, B * grid[0], dtype=torch.float32)
         dx = torch.empty_like(x)
         with _on_device(x):
             _short_conv_backward_kernel[grid](
@@ -413,7 +416,7 @@ class _ShortConvolution(torch.autograd.Function):
                     if j - i < T:
                         dstate[:, :, j] += weight[:, i].float() * dpre[:, j - i]
             dstate = dstate.to(state.dtype)
-        return dx, dweight.sum((0, 1)).to(weight.dtype).view(D, 1, K), dstate, None, None
+        return dx, dweight.sum(-1).to(weight.dtype).view(D, 1, K), dstate, None, None
 
 
 def short_convolution(x, weight, state=None, positions=None, l2_head_size=None):
