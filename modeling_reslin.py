@@ -91,8 +91,7 @@ class ResLinGatedRMSNorm(ResLinRMSNorm):
     def forward(self, x, gate):
         if runs_fused(self.fused, x):
             return fused_rms_norm(x, self.weight, self.eps, gate=gate)
-        normed = F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps)
-        return (normed * F.silu(gate.float())).to(x.dtype)
+        return (super().forward(x.float()) * F.silu(gate.float())).to(x.dtype)
 
 
 class ResLinShortConvolution(nn.Conv1d):
