@@ -11,6 +11,7 @@
 # Jobs (limit in seconds):
 #   tests        pytest -m gpu: the GPU tests (600)
 #   suite        the whole test suite, compiled kernels (600)
+#   layers       the fused layer kernels' tests and the PEFT tests, all of them compiled (240)
 #   convert      the conversion test against FLA's GPU kernels (300)
 #   forward      benchmarks/bench_forward.py (240)
 #   backward     benchmarks/bench_forward.py --backward (420)
@@ -48,7 +49,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|suite|convert|forward|backward|kernels|decode|generate|training|compile|prefill|context|ddp|compare) ;;
+    tests|suite|layers|convert|forward|backward|kernels|decode|generate|training|compile|prefill|context|ddp|compare) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -57,6 +58,7 @@ for name in "$@"; do
   case $name in
     tests) job tests 600 python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu ;;
     suite) job suite 600 python3 -m pytest -q -n 6 -p no:cacheprovider ;;
+    layers) job layers 240 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_layers_triton.py tests/test_peft.py ;;
     convert) job convert 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_convert.py -k gpu_bf16 ;;
     forward) job forward 240 python3 benchmarks/bench_forward.py ;;
     backward) job backward 420 python3 benchmarks/bench_forward.py --backward ;;
