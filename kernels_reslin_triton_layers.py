@@ -19,7 +19,15 @@ try:
 except ImportError:  # modeling_reslin then runs the torch code
     raise
 
+import contextlib
+
 import torch
+
+# Relative import for the remote-code loader; a plain one for `import kernels_reslin_triton_layers`.
+try:
+    from .kernels_reslin_triton import _cdiv, _next_power_of_2
+except ImportError:
+    from kernels_reslin_triton import _cdiv, _next_power_of_2
 
 TILE_ELEMENTS = 4096  # elements per program in the row-wise kernels
 # Warps per program for every kernel here: with 4, ptxas spilled registers in the backward kernels
@@ -29,17 +37,9 @@ MAX_NORM_SIZE = 16384  # one program holds a whole row
 MAX_L2_HEAD_SIZE = 256  # the convolution's tile holds a whole head
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _next_power_of_2(n):
-    return 1 << (n - 1).bit_length()
-
-
 def _on_device(x):
     """Triton launches on the current CUDA device, not on the tensors' (see kernels_reslin_triton)."""
-    return torch.cuda.device(x.device) if x.is_cuda else torch.device("cpu")
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------
