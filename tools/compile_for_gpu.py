@@ -34,14 +34,14 @@ SHARED_MEMORY = 232448
 DTYPES = {"bf16": (tl.bfloat16, "*bf16"), "fp16": (tl.float16, "*fp16"), "fp32": (tl.float32, "*fp32")}
 INDEX_POINTERS = ("cu_seqlens_ptr", "chunk_seq_ptr", "chunk_offsets_ptr")
 # Pointers to the states, the gates and the fp32 gradient buffers; the others hold inputs or
-# buffers in the input dtype.
+# buffers in the input dtype (dq, dk and dv too: GROUP is 1 here).
 FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "segment_decay_ptr", "g_ptr", "strength_ptr", "residual_strength_ptr", "gamma_ptr",
                  "dS_ptr", "dR_ptr", "dh_next_ptr", "dU_ptr", "dh_next_residual_ptr", "dU_residual_ptr",
-                 "residual_ptr", "dz_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
+                 "residual_ptr", "dz_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
                  "dresidual_strength_ptr")
 
 
-def launches(BK, BV_full, residual, fp32):
+def launches(BK, BV_full, delta, residual, fp32):
     """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
     warps = 4 if BK <= 128 else 8
     state_tile = min(BV_full, 32 if residual else 64)
@@ -60,7 +60,7 @@ def launches(BK, BV_full, residual, fp32):
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, backward_stages),
-        (kernels._chunk_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), 8, 1),
+        (kernels._chunk_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64 if delta else 32)), 8, 1),
     ]
 
 
@@ -171,7 +171,7 @@ def main():
         for head_size in [] if args.layers_only else args.head_sizes:
             for delta in (True, False):
                 for residual in (False, True):
-                    for fn, constexprs, warps, stages in launches(head_size, head_size, residual, dtype == "fp32"):
+                    for fn, constexprs, warps, stages in launches(head_size, head_size, delta, residual, dtype == "fp32"):
                         params = inspect.signature(fn.fn).parameters
                         flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}

@@ -56,7 +56,7 @@ done
 summary=()
 for name in "$@"; do
   case $name in
-    tests) job tests 600 python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu ;;
+    tests) job tests 600 python3 -m pytest -q -n 3 -p no:cacheprovider -m gpu ;;
     suite) job suite 600 python3 -m pytest -q -n 6 -p no:cacheprovider ;;
     layers) job layers 240 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_layers_triton.py tests/test_peft.py ;;
     convert) job convert 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_convert.py -k gpu_bf16 ;;
