@@ -1,0 +1,95 @@
+"""GPU time per kernel of several versions of kernels_reslin_triton.py, side by side in one run.
+
+kernel_times.py says which kernel to work on; this says which version of it is faster, measured
+in the same run on the same GPU (an H200's times move between runs by more than many a change
+gains). Each --variant is NAME=FILE, FILE a copy of kernels_reslin_triton.py: the current one,
+another commit's (`git show REV:kernels_reslin_triton.py > scratch/old.py`: the GPU machine
+gets no .git), or one edited with sed (a tile, a warp count). For every rule and shape it calls
+each variant's chunk_forward and, with --backward, its chunk_backward (the recomputed forward
+included) and prints the kernels' total and the slowest kernels, in microseconds per call.
+
+    python benchmarks/kernel_variants.py --variant now=kernels_reslin_triton.py --variant old=scratch/old.py \\
+        [--rules gdn rdn] [--shapes 4x4096 8x2048] [--heads 8] [--dim 128] [--backward] [--top 5]
+    python benchmarks/kernel_variants.py --smoke   # the current file on tiny sizes on a CPU
+
+Every variant compiles its kernels anew (a file of its own to Triton): give a first run time.
+"""
+
+import argparse
+import importlib.util
+import os
+
+import torch
+
+from bench_forward import parse_shape
+from common import DEVICE, REPO, RULES, print_header, rule_inputs
+from kernel_times import kernel_times
+
+
+def load_variant(name, path):
+    spec = importlib.util.spec_from_file_location(f"kernels_variant_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def chunk_arguments(rule, B, T, H, D):
+    """Positional arguments of chunk_forward, and the gradient of its output, for `rule`."""
+    x = rule_inputs(rule, B, T, H, D)
+    residual = x["gamma"] is not None
+    gamma_write = x["gamma_write"] if x["gamma_write"] is not None else x["gamma"]
+    S0 = torch.zeros(B, H, D, D, device=DEVICE)
+    R0 = torch.zeros_like(S0) if residual else None
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["gamma"], gamma_write, x["update"], 1.0, D ** -0.5,
+            S0, R0, None)
+    return args, torch.randn_like(x["v"])
+
+
+def summary(times, top):
+    short = lambda name: name.removeprefix("_chunk_").removesuffix("_kernel")[:40]  # noqa: E731
+    return f"{sum(times.values()):9.1f} us  [" + ", ".join(
+        f"{short(name)} {us:.0f}" for name, us in times.most_common(top)) + "]"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
+                        help="a version of kernels_reslin_triton.py (repeat the option)")
+    parser.add_argument("--rules", nargs="+", choices=list(RULES), default=["sgla", "gdn", "rla", "rdn"])
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[(4, 4096), (8, 2048)])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--backward", action="store_true", help="also chunk_backward")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--top", type=int, default=5, help="kernels named per call")
+    parser.add_argument("--smoke", action="store_true", help="the current file on tiny sizes, to check the script")
+    args = parser.parse_args()
+    if args.smoke:
+        args.variant = [f"now={os.path.join(REPO, 'kernels_reslin_triton.py')}"]
+        args.shapes, args.heads, args.dim, args.repeats, args.rules = [(1, 70)], 2, 32, 1, ["gdn", "rdn"]
+    if not args.variant:
+        parser.error("name at least one --variant NAME=FILE")
+    variants = []
+    for text in args.variant:
+        name, _, path = text.partition("=")
+        if not name or not os.path.isfile(path):
+            parser.error(f"--variant {text!r}: expected NAME=FILE with an existing file")
+        variants.append((name, load_variant(name, path)))
+    print_header(f"GPU time per kernel of {len(variants)} variants, H={args.heads} Dk=Dv={args.dim}, "
+                 f"mean of {args.repeats} calls{', forward and backward' if args.backward else ''}")
+    torch.manual_seed(0)
+    width = max(len(name) for name, _ in variants)
+    for rule in args.rules:
+        for B, T in args.shapes:
+            chunk_args, do = chunk_arguments(rule, B, T, args.heads, args.dim)
+            print(f"\n{rule} {B}x{T}", flush=True)
+            for name, kernels in variants:
+                forward = kernel_times(lambda: kernels.chunk_forward(*chunk_args), args.repeats)
+                print(f"  {name:{width}s} forward  {summary(forward, args.top)}", flush=True)
+                if args.backward:
+                    backward = kernel_times(lambda: kernels.chunk_backward(*chunk_args, do, None, None), args.repeats)
+                    print(f"  {name:{width}s} backward {summary(backward, args.top)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
