@@ -16,6 +16,8 @@
 #   forward      benchmarks/bench_forward.py (240)
 #   backward     benchmarks/bench_forward.py --backward (420)
 #   kernels      benchmarks/kernel_times.py, forward and backward (300)
+#   variants     benchmarks/kernel_variants.py --backward: this tree's kernels file beside every copy in
+#                scratch/variants/*.py (carry scratch), each compiled first in a process of its own (540)
 #   decode       benchmarks/bench_decode.py (180)
 #   generate     benchmarks/bench_generate.py (600)
 #   training     benchmarks/bench_training.py (600)
@@ -49,7 +51,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|suite|layers|convert|forward|backward|kernels|decode|generate|training|compile|prefill|context|ddp|compare) ;;
+    tests|suite|layers|convert|forward|backward|kernels|variants|decode|generate|training|compile|prefill|context|ddp|compare) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -63,6 +65,16 @@ for name in "$@"; do
     forward) job forward 240 python3 benchmarks/bench_forward.py ;;
     backward) job backward 420 python3 benchmarks/bench_forward.py --backward ;;
     kernels) job kernels 300 bash -c "python3 benchmarks/kernel_times.py && python3 benchmarks/kernel_times.py --backward --shapes 8x2048" ;;
+    # A copy's first compile takes ~30-60 s: all of them at once on tiny shapes, then the timing.
+    variants) job variants 540 bash -c '
+      files=(scratch/variants/*.py)
+      [ -e "${files[0]}" ] || { echo "no scratch/variants/*.py"; exit 2; }
+      for file in "${files[@]}"; do
+        python3 benchmarks/kernel_variants.py --backward --variant "warm=$file" --shapes 1x256 --repeats 1 >/dev/null 2>&1 &
+      done
+      wait
+      python3 benchmarks/kernel_variants.py --backward --variant main=kernels_reslin_triton.py \
+        $(for file in "${files[@]}"; do echo --variant "$(basename "$file" .py)=$file"; done)' ;;
     decode) job decode 180 python3 benchmarks/bench_decode.py ;;
     generate) job generate 600 python3 benchmarks/bench_generate.py ;;
     training) job training 600 python3 benchmarks/bench_training.py ;;
