@@ -13,6 +13,8 @@ included) and prints the kernels' total and the slowest kernels, in microseconds
     python benchmarks/kernel_variants.py --smoke   # the current file on tiny sizes on a CPU
 
 Every variant compiles its kernels anew (a file of its own to Triton): give a first run time.
+A variant that fails (a launch past the shared memory, say) is reported and the others go on;
+after an illegal memory access the GPU's context is lost, and every later call fails with it.
 """
 
 import argparse
@@ -84,11 +86,16 @@ def main():
             chunk_args, do = chunk_arguments(rule, B, T, args.heads, args.dim)
             print(f"\n{rule} {B}x{T}", flush=True)
             for name, kernels in variants:
-                forward = kernel_times(lambda: kernels.chunk_forward(*chunk_args), args.repeats)
-                print(f"  {name:{width}s} forward  {summary(forward, args.top)}", flush=True)
-                if args.backward:
-                    backward = kernel_times(lambda: kernels.chunk_backward(*chunk_args, do, None, None), args.repeats)
-                    print(f"  {name:{width}s} backward {summary(backward, args.top)}", flush=True)
+                try:
+                    forward = kernel_times(lambda: kernels.chunk_forward(*chunk_args), args.repeats)
+                    print(f"  {name:{width}s} forward  {summary(forward, args.top)}", flush=True)
+                    if args.backward:
+                        backward = kernel_times(lambda: kernels.chunk_backward(*chunk_args, do, None, None),
+                                                args.repeats)
+                        print(f"  {name:{width}s} backward {summary(backward, args.top)}", flush=True)
+                except Exception as error:  # a launch that does not fit, say: the other variants still run
+                    print(f"  {name:{width}s} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}",
+                          flush=True)
 
 
 if __name__ == "__main__":
