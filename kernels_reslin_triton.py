@@ -1040,7 +1040,8 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps, num_stages=run.backward_stages)
     # dq, dk and dv are stored in their inputs' dtypes (the one rounding a cast would make), but dq
     # and dk in fp32 where a key head serves several value heads: their shares are summed first.
-    key_grad = dict(device=q.device, dtype=q.dtype if HV == H else torch.float32)
+    grouped = HV > H
+    key_grad = dict(device=q.device, dtype=torch.float32 if grouped else q.dtype)
     dq, dk = torch.empty(L, HV, Dk, **key_grad), torch.empty(L, HV, Dk, **key_grad)
     dv = torch.empty(L, HV, Dv, device=q.device, dtype=v.dtype)
     dg, dbeta = torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)
@@ -1054,9 +1055,10 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         do, dh_next, dU, dh_next_residual, dU_residual, run.z, dz, dq, dk, dv, dg, dbeta, dgamma,
         dgamma_write, *run.tables, scale, clip, **run.shape, BV=grad_tile, **common,
         # A dozen chunk-sized accumulators: more warps, fewer spilled registers. One stage: multi-
-        # buffering the value loop's dozen loads needs more shared memory than an H200 has (400 KB).
+        # buffering the value loop's dozen loads needs more shared memory than an H200 has (400 KB
+        # at value tiles of 64; at 32 two stages would fit, not yet timed).
         num_warps=8, num_stages=1)
-    group = lambda x: x if HV == H else x.view(L, H, HV // H, Dk).sum(2)  # noqa: E731  a key head serves HV / H value heads
+    group = lambda x: x.view(L, H, HV // H, Dk).sum(2) if grouped else x  # noqa: E731  a key head's value heads
     shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
     grads = (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta))
     if not residual:
