@@ -395,70 +395,79 @@ def _state_tile(seq_head, kcols, vcols, DK, DV):
 
 
 @triton.jit
-def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr,
-                        X_residual_ptr, W_residual_ptr, P_ptr, U_residual_ptr, h_residual_ptr, S_ptr, R_ptr,
-                        z_ptr, cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV,
-                        BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-                        DELTA: tl.constexpr, RESIDUAL: tl.constexpr, STORE_Z: tl.constexpr, S_FROM_H: tl.constexpr,
-                        VARLEN: tl.constexpr):
-    """Chunk after chunk of one (sequence, value head, value tile): stores the chunk-start states
-    h (and h of R) and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed where
-    read), then S = e^(G_last) h + (e^(G_last - G) K)^T U. With the residual state it also forms
-    pred_t = S_{t-1}^T k_t, z = v - pred (stored for the backward when STORE_Z), the clipped
-    residual r, R's writes U0 - W h_R with U0 = X diag(b) r (every step is column-separable: the
-    value tile never needs the others), and advances R. With S_FROM_H (the additive rule's R
-    pass, after an S pass) S is not advanced but read from h, which holds it already."""
+def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S_ptr, cu_seqlens_ptr,
+                        chunk_offsets_ptr, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
+                        BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, VARLEN: tl.constexpr):
+    """Chunk after chunk of one (sequence, value head, value tile) of one state: stores the
+    chunk-start states h and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed
+    where read), then S = e^(G_last) h + (e^(G_last - G) K)^T U. S_ptr holds the initial state
+    on entry, the final one on exit. The residual rules run it twice: for S, then for R with
+    its own writes (`_chunk_residual_writes_kernel`) in place of V, or of U0 and W."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
     state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
     tile = kcols[:, None] * DV + vcols[None, :]
-    if not S_FROM_H:
-        S = tl.load(S_ptr + state_offsets, mask=tile_ok, other=0.0)
-    if RESIDUAL:
-        R = tl.load(R_ptr + state_offsets, mask=tile_ok, other=0.0)
+    S = tl.load(S_ptr + state_offsets, mask=tile_ok, other=0.0)
     r = tl.arange(0, BC)
     for start in range(bos, eos, BC):
-        h_offsets = (chunk * HV + head) * DK * DV + tile
-        if S_FROM_H:
-            S = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
-        else:
-            tl.store(h_ptr + h_offsets, S.to(DT), mask=tile_ok)
+        tl.store(h_ptr + (chunk * HV + head) * DK * DV + tile, S.to(DT), mask=tile_ok)
         rows = start + r
         row_ok = rows < eos
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
-        G = tl.cumsum(g, axis=0)
         G_last = tl.sum(g, axis=0)  # padded rows add 0: the last real token's cumulative decay
         k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
         if DELTA:
             W = _load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)
             U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32) - _mm(W, S, DT)
             _store_rows(U_ptr, rows, row_ok, head, HV, vcols, DV, U)
         else:
-            U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
-        k_to_chunk_end = tl.trans(tl.exp(G_last - G)[:, None] * k)
-        if RESIDUAL:
-            tl.store(h_residual_ptr + h_offsets, R.to(DT), mask=tile_ok)
-            z = v - _pred(k, S, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), G - g, DT)
-            if STORE_Z:
-                _store_rows(z_ptr, rows, row_ok, head, HV, vcols, DV, z)
-            residual = tl.minimum(tl.maximum(z, -clip), clip)
-            U_residual = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
-            if DELTA:
-                X = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
-                W = _load_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK)
-                U_residual = _mm(X, U_residual, DT) - _mm(W, R, DT)
-            _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, U_residual)
-            R = tl.exp(G_last) * R + _mm(k_to_chunk_end, U_residual, DT)
-        if not S_FROM_H:
-            S = tl.exp(G_last) * S + _mm(k_to_chunk_end, U, DT)
+            U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
+                _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        k_to_chunk_end = tl.trans(tl.exp(G_last - tl.cumsum(g, axis=0))[:, None] * k)
+        S = tl.exp(G_last) * S + _mm(k_to_chunk_end, U, DT)
         chunk += 1
-    if not S_FROM_H:
-        tl.store(S_ptr + state_offsets, S, mask=tile_ok)
-    if RESIDUAL:
-        tl.store(R_ptr + state_offsets, R, mask=tile_ok)
+    tl.store(S_ptr + state_offsets, S, mask=tile_ok)
+
+
+@triton.jit
+def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, U_ptr, h_ptr, P_ptr,
+                                  X_residual_ptr, z_ptr, writes_ptr, U_residual_ptr, cu_seqlens_ptr, chunk_seq_ptr,
+                                  chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
+                                  BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
+                                  STORE_Z: tl.constexpr, VARLEN: tl.constexpr):
+    """Every chunk at once, after S's pass: pred_t = S_{t-1}^T k_t from the chunk-start state h
+    and the chunk's own writes U, z = v - pred (stored for the backward when STORE_Z), the
+    clipped residual r, and what R's pass writes with: U0_R = X_R diag(b_R) r for the delta
+    rule, r itself for the additive one (its pass scales by b_R; R's writes U_R = diag(b_R) r
+    are stored too, for the output and the backward, as the delta rule's pass stores its own).
+    None of it needs R, so R's recurrence is S's again, over other writes."""
+    value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    rows = start + tl.arange(0, BC)
+    row_ok = rows < end
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
+    h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+    v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+    if DELTA:
+        U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
+    else:
+        U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
+    z = v - _pred(k, h, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), tl.cumsum(g, axis=0) - g, DT)
+    if STORE_Z:
+        _store_rows(z_ptr, rows, row_ok, head, HV, vcols, DV, z)
+    residual = tl.minimum(tl.maximum(z, -clip), clip)
+    scaled = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
+    if DELTA:
+        _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV,
+                    _mm(_load_lower(X_residual_ptr, rows, row_ok, head, HV, BC), scaled, DT))
+    else:
+        _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV, residual)
+        _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, scaled)
 
 
 @triton.jit
@@ -576,19 +585,15 @@ class _ChunkLayout:
             self.cu_seqlens = self.chunk_offsets = self.chunk_seq = torch.empty(1, device=device, dtype=torch.int64)
 
 
-def pipeline_stages(fp32, BK, residual):
-    """Software-pipelining depth (num_stages) of the sequential state kernels and the output
+def pipeline_stages(fp32, BK):
+    """Software-pipelining depth (num_stages) of the sequential state kernel and the output
     kernel, and of the reverse state kernel: as deep as an H200's 227 KB of shared memory allows.
-    Measured with tools/compile_for_gpu.py (bf16, tiles as launched): the state kernel needs
-    189 KB at D = 128 with the residual state and 3 stages, 341 KB at D = 256 (226 KB with 2, too
-    close); the reverse kernel 250 KB at D = 128 with 3 stages, 156 KB with 2, and at D = 256
-    205-287 KB with 2. Pipelined fp32 tiles take twice the memory of bf16 ones (213 KB for the
-    state kernel at D = 128 with 3 stages)."""
+    Measured with tools/compile_for_gpu.py (bf16, tiles as launched): the reverse kernel needs
+    250 KB at D = 128 with the residual state and 3 stages, 156 KB with 2, and at D = 256 205-287 KB
+    with 2. Pipelined fp32 tiles take twice the memory of bf16 ones."""
     if fp32:
         return 1, 1
-    if BK > 128:
-        return (1 if residual else 3), 1
-    return 3, 2
+    return 3, (1 if BK > 128 else 2)
 
 
 class _ChunkRun:
@@ -625,7 +630,7 @@ class _ChunkRun:
         self.BK, self.BV_full = max(16, _next_power_of_2(Dk)), max(16, _next_power_of_2(Dv))
         self.DT = TRITON_DTYPES[q.dtype]
         self.warps = 4 if self.BK <= 128 else 8
-        self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK, residual)
+        self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK)
         common = dict(BC=chunk_size, BK=self.BK, DT=self.DT, VARLEN=layout.varlen)
         if delta:
             self.X, self.W, U0, self.U = (empty(L, HV, chunk_size), empty(L, HV, Dk), empty(L, HV, Dv),
@@ -642,31 +647,43 @@ class _ChunkRun:
             _chunk_wy_kernel[(layout.num_chunks, HV)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
                 **self.shape, BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
-        def advance(states, residual_states, cu_seqlens, chunk_offsets, sequences, varlen, residual=residual,
-                    s_from_h=False):
-            """The state kernel from `states` and `residual_states` (overwritten with the final
-            ones) over `sequences`."""
-            _chunk_state_kernel[(_cdiv(Dv, self.state_tile()), sequences * HV)](
-                k, v, g, beta, self.gamma_write, self.W, U0, self.U, self.h, self.X_residual, self.W_residual,
-                self.P, self.U_residual, self.h_residual, states, residual_states, self.z, cu_seqlens, chunk_offsets,
-                clip, **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual,
-                STORE_Z=store_z and residual, S_FROM_H=s_from_h, **{**common, "VARLEN": varlen},
-                num_warps=self.warps, num_stages=self.stages)
+        self.S = self.advance(S0, v, beta, self.W, U0, self.U, self.h)
+        if not residual:
+            self.R = self.S
+            return
+        # R's writes (and z) need S's chunk-start states h, not R: every chunk at once, then R's pass.
+        writes = torch.empty(L, HV, Dv, device=q.device, dtype=torch.float32)
+        BV = min(self.BV_full, 64)
+        _chunk_residual_writes_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
+            k, v, g, beta, self.gamma_write, self.U, self.h, self.P, self.X_residual, self.z, writes, self.U_residual,
+            *self.tables, clip, **self.shape, BV=BV, DELTA=delta, STORE_Z=store_z, **common, num_warps=self.warps,
+            num_stages=self.stages)
+        self.R = self.advance(R0, writes, self.gamma_write, self.W_residual, writes, self.U_residual, self.h_residual)
 
+    def advance(self, initial, v, strength, W, U0, U, h):
+        """One state's pass (`_chunk_state_kernel`) from `initial` over the writes (v and the write
+        strength for the additive rule, U0 and W for the delta rule), storing h and, for the delta
+        rule, U. Returns the final state."""
+        layout = self.layout
         segments = self.state_segments()
-        if segments == 1:  # the kernel advances the states in place, from copies of the initial ones
-            self.S = S0.clone(memory_format=torch.contiguous_format)
-            self.R = R0.clone(memory_format=torch.contiguous_format) if residual else self.S
-            advance(self.S, self.R, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences, layout.varlen)
-        else:
-            self.S, self.R = self.advance_in_segments(advance, S0, R0, segments)
+        if segments > 1:
+            return self.advance_in_segments(initial, segments, v, strength, W, U0, U, h)
+        final = initial.clone(memory_format=torch.contiguous_format)  # the kernel advances it in place
+        self.state_pass(final, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences, layout.varlen,
+                        v, strength, W, U0, U, h)
+        return final
+
+    def state_pass(self, states, cu_seqlens, chunk_offsets, sequences, varlen, v, strength, W, U0, U, h):
+        _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
+            self.k, v, self.g, strength, W, U0, U, h, states, cu_seqlens, chunk_offsets, **self.shape,
+            BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta, VARLEN=varlen,
+            num_warps=self.warps, num_stages=self.stages)
 
     def state_segments(self):
         """Segments each sequence's state recurrence is split into (1: not split). Few long
         sequences leave most SMs idle along the sequential loop. The additive rule's states can
-        run in segments side by side, S first, then R: S's writes K^T diag(b) V do not depend on
-        S, and R's depend on S alone (through pred), not on R. The delta rule's writes
-        U = U0 - W h do."""
+        run in segments side by side: S's writes K^T diag(b) V do not depend on S, nor R's on R.
+        The delta rule's writes U = U0 - W h do."""
         layout = self.layout
         if self.delta or layout.varlen:
             return 1
@@ -676,12 +693,10 @@ class _ChunkRun:
         # faster at B1xT32768, H16 D128), not at 4 (30% slower at B2xT8192).
         return segments if segments >= MIN_SEGMENTS else 1
 
-    def advance_in_segments(self, advance, S0, R0, segments):
-        """The state kernel over every segment at once from zero states, then the join kernel:
-        a segment's chunk-start states gain its start state (its row's initial state carried
-        through the segments before it), decayed to each chunk; the final states come last.
-        With R, the same again for R, its kernel reading S from the joined h. Returns the final
-        states (S, R), R being S without the residual state."""
+    def advance_in_segments(self, initial, segments, v, strength, W, U0, U, h):
+        """The state pass over every segment at once from zero states, then the join kernel: a
+        segment's chunk-start states gain its start state (its row's initial state carried
+        through the segments before it), decayed to each chunk; the final states come last."""
         layout, HV, BC = self.layout, self.shape["HV"], self.chunk_size
         B, T, NT = layout.num_sequences, layout.T, layout.NT
         segment_chunks = _cdiv(NT, segments)
@@ -694,30 +709,21 @@ class _ChunkRun:
         padded = torch.nn.functional.pad(self.g.view(B, T, HV), (0, 0, 0, segments * segment_chunks * BC - T))
         # Each segment's log decay, in fp32 whatever g's dtype (the join kernel exponentiates it).
         segment_decay = padded.view(B, segments, segment_chunks * BC, HV).sum(2, dtype=torch.float32)
-        zeros = lambda: torch.zeros(B * segments, *S0.shape[1:], device=S0.device, dtype=torch.float32)  # noqa: E731
+        ends = torch.zeros(B * segments, *initial.shape[1:], device=initial.device, dtype=torch.float32)
+        self.state_pass(ends, cu_seqlens, chunk_offsets, B * segments, True, v, strength, W, U0, U, h)
+        initial = initial.contiguous()
+        final = torch.empty_like(initial)  # not the initial state: the join reads it while the last segments write
+        _chunk_state_join_kernel[(_cdiv(self.shape["DV"], self.state_tile()), B * segments, HV)](
+            self.g, h, initial, ends, segment_decay, final, cu_seqlens, chunk_offsets, segments, HV,
+            self.shape["DK"], self.shape["DV"], BC=BC, BK=self.BK, BV=self.state_tile(), DT=self.DT,
+            num_warps=self.warps, num_stages=self.stages)
+        return final
 
-        def join(h, initial, ends):
-            initial = initial.contiguous()
-            final = torch.empty_like(initial)  # not the initial state: the join reads it while the last segments write
-            _chunk_state_join_kernel[(_cdiv(self.shape["DV"], self.state_tile()), B * segments, HV)](
-                self.g, h, initial, ends, segment_decay, final, cu_seqlens, chunk_offsets, segments, HV,
-                self.shape["DK"], self.shape["DV"], BC=BC, BK=self.BK, BV=self.state_tile(), DT=self.DT,
-                num_warps=self.warps, num_stages=self.stages)
-            return final
-
-        ends = zeros()
-        advance(ends, ends, cu_seqlens, chunk_offsets, B * segments, True, residual=False)
-        S = join(self.h, S0, ends)
-        if not self.residual:
-            return S, S
-        residual_ends = zeros()
-        advance(ends, residual_ends, cu_seqlens, chunk_offsets, B * segments, True, s_from_h=True)
-        return S, join(self.h_residual, R0, residual_ends)
-
-    def state_tile(self):
+    def state_tile(self, two_states=False):
         """Value columns a program of the sequential kernels owns: few sequence-heads leave SMs
-        idle, so narrower tiles then; so does holding two states (S and R) in registers."""
-        wide = self.layout.num_sequences * self.shape["HV"] >= 128 and not self.residual
+        idle, so narrower tiles then; so does holding two states (S and R, in the residual rules'
+        reverse kernel) in registers."""
+        wide = self.layout.num_sequences * self.shape["HV"] >= 128 and not two_states
         return min(self.BV_full, 64 if wide else 32)
 
     def output(self, scale):
@@ -1034,10 +1040,11 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         run.q, run.k, run.g, read_gate, do, dU, dU_residual, *run.tables, scale, **run.shape, BV=BV, **common,
         num_warps=run.warps)
     common["DELTA"] = run.delta
-    _chunk_state_backward_kernel[(_cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
+    _chunk_state_backward_kernel[(_cdiv(Dv, run.state_tile(two_states=residual)), layout.num_sequences * HV)](
         run.q, run.k, run.g, read_gate, run.gamma_write, run.W, run.X_residual, run.W_residual, run.P, run.z, do,
         dS0, dR0, dh_next, dU, dh_next_residual, dU_residual, dz, layout.cu_seqlens, layout.chunk_offsets, scale,
-        clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps, num_stages=run.backward_stages)
+        clip, **run.shape, BV=run.state_tile(two_states=residual), **common, num_warps=run.warps,
+        num_stages=run.backward_stages)
     # dq, dk and dv are stored in their inputs' dtypes (the one rounding a cast would make), but dq
     # and dk in fp32 where a key head serves several value heads: their shares are summed first.
     key_grad = dict(device=q.device, dtype=q.dtype if HV == H else torch.float32)

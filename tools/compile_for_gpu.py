@@ -44,22 +44,19 @@ FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "segment_d
 def launches(BK, BV_full, delta, residual, fp32):
     """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
     warps = 4 if BK <= 128 else 8
-    state_tile = min(BV_full, 32 if residual else 64)
-    stages, backward_stages = kernels.pipeline_stages(fp32, BK, residual)
+    state_tile, reverse_tile = min(BV_full, 64), min(BV_full, 32 if residual else 64)
+    stages, backward_stages = kernels.pipeline_stages(fp32, BK)
     return [
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK), 2, 3),
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
-        # The forward's state kernel, and with the residual state its backward recompute (storing z).
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, STORE_Z=store_z, S_FROM_H=False), warps,
-           stages) for store_z in ((False, True) if residual else (False,))],
-        # Few long sequences of the additive rule: R's pass in segments (reading S from h), and
-        # the segments' join.
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, STORE_Z=store_z, S_FROM_H=True), warps,
-           stages) for store_z in ((False, True) if residual else ())],
+        (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
+        # The residual rules' writes of R: the forward's, and the backward's recompute (storing z).
+        *[(kernels._chunk_residual_writes_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STORE_Z=store_z), warps,
+           stages) for store_z in (False, True)],
         (kernels._chunk_state_join_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
-        (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, backward_stages),
+        (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=reverse_tile), warps, backward_stages),
         (kernels._chunk_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64 if delta else 32)), 8, 1),
     ]
 
@@ -177,11 +174,11 @@ def main():
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
                         if not delta and fn is kernels._chunk_wy_kernel or \
                                 not (delta or residual) and fn is kernels._chunk_gram_kernel or \
-                                delta and (fn is kernels._chunk_state_join_kernel or constexprs.get("S_FROM_H")):
+                                delta and fn is kernels._chunk_state_join_kernel or \
+                                not residual and fn is kernels._chunk_residual_writes_kernel:
                             continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
                         label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
-                                 f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
-                                 f"{' s_from_h' if constexprs.get('S_FROM_H') else ''}")
+                                 f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}")
                         start = time.time()
                         try:
                             compiled = compile_variant(fn, constexprs, pointer_type, warps, stages, head_size)
