@@ -589,8 +589,8 @@ def pipeline_stages(fp32, BK):
     """Software-pipelining depth (num_stages) of the sequential state kernel and the output
     kernel, and of the reverse state kernel: as deep as an H200's 227 KB of shared memory allows.
     Measured with tools/compile_for_gpu.py (bf16, tiles as launched): the reverse kernel needs
-    250 KB at D = 128 with the residual state and 3 stages, 156 KB with 2, and at D = 256 205-287 KB
-    with 2. Pipelined fp32 tiles take twice the memory of bf16 ones."""
+    115 KB at D = 128 with 2 stages, 189 KB with 3 (S's pass of the residual rules), and 230 KB at
+    D = 256 with 2, too close to the limit. Pipelined fp32 tiles take twice the memory of bf16 ones."""
     if fp32:
         return 1, 1
     return 3, (1 if BK > 128 else 2)
@@ -719,11 +719,10 @@ class _ChunkRun:
             num_warps=self.warps, num_stages=self.stages)
         return final
 
-    def state_tile(self, two_states=False):
+    def state_tile(self):
         """Value columns a program of the sequential kernels owns: few sequence-heads leave SMs
-        idle, so narrower tiles then; so does holding two states (S and R, in the residual rules'
-        reverse kernel) in registers."""
-        wide = self.layout.num_sequences * self.shape["HV"] >= 128 and not two_states
+        idle, so narrower tiles then."""
+        wide = self.layout.num_sequences * self.shape["HV"] >= 128
         return min(self.BV_full, 64 if wide else 32)
 
     def output(self, scale):
@@ -755,10 +754,11 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
 #   dh = e^(G_last) dh' + scale * (e^G Q)^T dO - W^T dU   (no W term for the additive rule).
 # Its first term needs no state: every chunk at once (_chunk_local_grad_kernel). The rest runs
 # chunk after chunk backwards (_chunk_state_backward_kernel, one value tile a program like the
-# forward's state kernel). The residual rules run this for R with gamma dO and the inclusive
-# mask, then through R's writes U0_R = X_R diag(b_R) r and the clip (zero gradient where z was
-# clipped) into pred = e^(G_prev) K h + P U, P = strictly_lower(e^(G_prev_i - G_j) K K^T), whose
-# gradient joins S's (A is then strictly lower: the base read is exclusive).
+# forward's state kernel). The residual rules run this for R first, with gamma dO and the
+# inclusive mask, then every chunk at once (_chunk_residual_grad_kernel) through R's writes
+# U0_R = X_R diag(b_R) r and the clip (zero gradient where z was clipped) into pred =
+# e^(G_prev) K h + P U, P = strictly_lower(e^(G_prev_i - G_j) K K^T), whose gradient joins S's
+# reverse pass (A is then strictly lower: the base read is exclusive).
 # Then every chunk at once (_chunk_grad_kernel): dq, dk, dv, the gates' gradients, through
 # U = U0 - W h with W = X diag(b e^G) K, U0 = X diag(b) V and X = (I + A)^-1
 # (dA = -X^T dX X^T, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T)). Every dependence on the
@@ -790,16 +790,16 @@ def _chunk_local_grad_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, do_ptr, dU_ptr, dU_
 
 
 @triton.jit
-def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, residual_strength_ptr, W_ptr, X_residual_ptr,
-                                 W_residual_ptr, P_ptr, z_ptr, do_ptr, dS_ptr, dR_ptr, dh_next_ptr, dU_ptr,
-                                 dh_next_residual_ptr, dU_residual_ptr, dz_ptr, cu_seqlens_ptr, chunk_offsets_ptr,
-                                 scale, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
-                                 BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr,
+def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, W_ptr, do_ptr, dz_ptr, dS_ptr, dh_next_ptr, dU_ptr,
+                                 cu_seqlens_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV,
+                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                                 DELTA: tl.constexpr, GATED_READ: tl.constexpr, PRED: tl.constexpr,
                                  VARLEN: tl.constexpr):
-    """dS_ptr (dR_ptr) hold the final states' gradients on entry and the initial states' on exit;
-    dU_ptr (dU_residual_ptr) hold the chunks' own parts of dU on entry (`_chunk_local_grad_kernel`)
-    and the whole dU on exit. Stores dh' of every chunk (of both states), and for the residual
-    rules dz, the gradient of z = v - pred (zero where the forward clipped)."""
+    """One state's reverse pass. dS_ptr holds the final state's gradient on entry and the initial
+    state's on exit; dU_ptr the chunks' own parts of dU on entry (`_chunk_local_grad_kernel`,
+    and for S of the residual rules pred's -P^T dz, `_chunk_residual_grad_kernel`) and the whole
+    dU on exit. Stores dh' of every chunk. R's pass reads gamma dO (GATED_READ); S's pass of the
+    residual rules (PRED) adds pred's reading of the chunk-start state, -(e^(G_prev) K)^T dz."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, first_chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -807,54 +807,56 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, residual_streng
     state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
     tile = kcols[:, None] * DV + vcols[None, :]
     dh = tl.load(dS_ptr + state_offsets, mask=tile_ok, other=0.0)
-    if RESIDUAL:
-        dh_residual = tl.load(dR_ptr + state_offsets, mask=tile_ok, other=0.0)
     r = tl.arange(0, BC)
     num_chunks = tl.cdiv(eos - bos, BC)
     for i in range(num_chunks):
         index = num_chunks - 1 - i
-        h_offsets = ((first_chunk + index) * HV + head) * DK * DV + tile
-        tl.store(dh_next_ptr + h_offsets, dh, mask=tile_ok)
+        tl.store(dh_next_ptr + ((first_chunk + index) * HV + head) * DK * DV + tile, dh, mask=tile_ok)
         rows = bos + index * BC + r
         row_ok = rows < eos
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
         G = tl.cumsum(g, axis=0)
         G_last = tl.sum(g, axis=0)
-        to_chunk_end = tl.exp(G_last - G)[:, None]
         q_decayed_t = tl.trans(tl.exp(G)[:, None] * _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP,
                                                                 kcols, DK))
         k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) + to_chunk_end * _mm(k, dh, DT)
-        if RESIDUAL:
-            tl.store(dh_next_residual_ptr + h_offsets, dh_residual, mask=tile_ok)
-            dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV) + \
-                to_chunk_end * _mm(k, dh_residual, DT)
-            _store_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV, dU_residual)
-            do_residual = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
-            dh_residual = tl.exp(G_last) * dh_residual + scale * _mm(q_decayed_t, do_residual, DT)
-            dr = dU_residual
-            if DELTA:
-                W = _load_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK)
-                dh_residual -= _mm(tl.trans(W), dU_residual, DT)
-                dr = _mm(tl.trans(_load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)), dU_residual, DT)
-            dr = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * dr
-            # The clip passes gradient only where it did not clip; pred = e^(G_prev) K h + P U
-            # then reads U and h with gradient -dz.
-            z = _load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV)
-            dz = tl.where((z >= -clip) & (z <= clip), dr, 0.0)
-            _store_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV, dz)
-            dU -= _mm(tl.trans(_load_lower(P_ptr, rows, row_ok, head, HV, BC)), dz, DT)
-            dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT) - \
-                _mm(tl.trans(tl.exp(G - g)[:, None] * k), dz, DT)
-        else:
-            dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT)
+        if GATED_READ:
+            do = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
+        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) + tl.exp(G_last - G)[:, None] * _mm(k, dh, DT)
         _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
+        dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT)
+        if PRED:
+            dh -= _mm(tl.trans(tl.exp(G - g)[:, None] * k), _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV), DT)
         if DELTA:
             dh -= _mm(tl.trans(_load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)), dU, DT)
     tl.store(dS_ptr + state_offsets, dh, mask=tile_ok)
-    if RESIDUAL:
-        tl.store(dR_ptr + state_offsets, dh_residual, mask=tile_ok)
+
+
+@triton.jit
+def _chunk_residual_grad_kernel(residual_strength_ptr, X_residual_ptr, P_ptr, z_ptr, dU_residual_ptr, dz_ptr,
+                                dU_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, clip, T, NT, HV, DV,
+                                BC: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
+                                VARLEN: tl.constexpr):
+    """Every chunk at once, between R's reverse pass and S's (the adjoint of
+    `_chunk_residual_writes_kernel`): from R's whole dU_R through its writes U0_R = X_R diag(b_R) r
+    (the additive rule: diag(b_R) r) and the clip, dz, the gradient of z = v - pred (zero where
+    the forward clipped); then pred = e^(G_prev) K h + P U reads S's writes U: dU -= P^T dz."""
+    value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    rows = start + tl.arange(0, BC)
+    row_ok = rows < end
+    vcols = value_tile * BV + tl.arange(0, BV)
+    dr = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV)
+    if DELTA:
+        dr = _mm(tl.trans(_load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)), dr, DT)
+    dr = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * dr
+    z = _load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV)
+    dz = tl.where((z >= -clip) & (z <= clip), dr, 0.0)
+    _store_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV, dz)
+    dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) - \
+        _mm(tl.trans(_load_lower(P_ptr, rows, row_ok, head, HV, BC)), dz, DT)
+    _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
 
 
 @triton.jit
@@ -1040,11 +1042,21 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         run.q, run.k, run.g, read_gate, do, dU, dU_residual, *run.tables, scale, **run.shape, BV=BV, **common,
         num_warps=run.warps)
     common["DELTA"] = run.delta
-    _chunk_state_backward_kernel[(_cdiv(Dv, run.state_tile(two_states=residual)), layout.num_sequences * HV)](
-        run.q, run.k, run.g, read_gate, run.gamma_write, run.W, run.X_residual, run.W_residual, run.P, run.z, do,
-        dS0, dR0, dh_next, dU, dh_next_residual, dU_residual, dz, layout.cu_seqlens, layout.chunk_offsets, scale,
-        clip, **run.shape, BV=run.state_tile(two_states=residual), **common, num_warps=run.warps,
-        num_stages=run.backward_stages)
+
+    def reverse_pass(dstates, dh_next, dU, W, gated_read, pred):
+        _chunk_state_backward_kernel[(_cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
+            run.q, run.k, run.g, read_gate, W, do, dz, dstates, dh_next, dU, layout.cu_seqlens,
+            layout.chunk_offsets, scale, **run.shape, BV=run.state_tile(), BC=chunk_size, BK=run.BK, DT=run.DT,
+            DELTA=run.delta, GATED_READ=gated_read, PRED=pred, VARLEN=layout.varlen, num_warps=run.warps,
+            num_stages=run.backward_stages)
+
+    if residual:  # R's pass first: its gradient reaches S's through pred (dz), never the other way
+        reverse_pass(dR0, dh_next_residual, dU_residual, run.W_residual, gated_read=True, pred=False)
+        _chunk_residual_grad_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
+            run.gamma_write, run.X_residual, run.P, run.z, dU_residual, dz, dU, *run.tables, clip, layout.T,
+            layout.NT, HV, Dv, BC=chunk_size, BV=BV, DT=run.DT, DELTA=run.delta, VARLEN=layout.varlen,
+            num_warps=run.warps)
+    reverse_pass(dS0, dh_next, dU, run.W, gated_read=False, pred=residual)
     # dq, dk and dv are stored in their inputs' dtypes (the one rounding a cast would make), but dq
     # and dk in fp32 where a key head serves several value heads: their shares are summed first.
     key_grad = dict(device=q.device, dtype=q.dtype if HV == H else torch.float32)

@@ -44,7 +44,7 @@ FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "segment_d
 def launches(BK, BV_full, delta, residual, fp32):
     """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
     warps = 4 if BK <= 128 else 8
-    state_tile, reverse_tile = min(BV_full, 64), min(BV_full, 32 if residual else 64)
+    state_tile = min(BV_full, 64)
     stages, backward_stages = kernels.pipeline_stages(fp32, BK)
     return [
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK), 2, 3),
@@ -56,7 +56,10 @@ def launches(BK, BV_full, delta, residual, fp32):
         (kernels._chunk_state_join_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
-        (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=reverse_tile), warps, backward_stages),
+        # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz.
+        *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile, GATED_READ=gated, PRED=pred),
+           warps, backward_stages) for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
+        (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
         (kernels._chunk_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64 if delta else 32)), 8, 1),
     ]
 
@@ -175,10 +178,13 @@ def main():
                         if not delta and fn is kernels._chunk_wy_kernel or \
                                 not (delta or residual) and fn is kernels._chunk_gram_kernel or \
                                 delta and fn is kernels._chunk_state_join_kernel or \
-                                not residual and fn is kernels._chunk_residual_writes_kernel:
+                                not residual and fn in (kernels._chunk_residual_writes_kernel,
+                                                        kernels._chunk_residual_grad_kernel):
                             continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
                         label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
-                                 f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}")
+                                 f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
+                                 f"{' gated_read' if constexprs.get('GATED_READ') else ''}"
+                                 f"{' pred' if constexprs.get('PRED') else ''}")
                         start = time.time()
                         try:
                             compiled = compile_variant(fn, constexprs, pointer_type, warps, stages, head_size)
