@@ -852,23 +852,38 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, residual_streng
 
 
 @triton.jit
-def _wy_backward(X, dX, dW, k, gram, decay_strict, G, strength, DT: tl.constexpr):
-    """Through W = X diag(b e^G) K and X = (I + A)^-1, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T)
-    (`gram` = strictly_lower(e^(G_i - G_j) K K^T)), given dW and dX = dU0 (diag(b) V)^T so far:
-    the contributions to dk, db and dG."""
+def _wy_write_backward(X, dW, k, G, strength, DT: tl.constexpr):
+    """Through W = X diag(b e^G) K for some of K's columns (with dW's): the contributions to dk
+    (those columns), db and dG, and dW's share of dX, dW (diag(b e^G) K)^T."""
     k_scaled = (strength * tl.exp(G))[:, None] * k
     dk_scaled = _mm(tl.trans(X), dW, DT)
-    dX += _mm(dW, tl.trans(k_scaled), DT)
     dk = (strength * tl.exp(G))[:, None] * dk_scaled
     dstrength = tl.sum(dk_scaled * k * tl.exp(G)[:, None], axis=1)
     dG = tl.sum(dk_scaled * k_scaled, axis=1)
+    return dk, dstrength, dG, _mm(dW, tl.trans(k_scaled), DT)
+
+
+@triton.jit
+def _wy_inverse_backward(X, dX, k, gram, decay_strict, strength, DT: tl.constexpr):
+    """Through X = (I + A)^-1, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T) (`gram` =
+    strictly_lower(e^(G_i - G_j) K K^T)), given the whole dX: the contributions to dk, db and dG."""
     dA = -_mm(tl.trans(X), _mm(dX, tl.trans(X), DT), DT)  # only its strictly lower part is read
     dgram = strength[:, None] * dA * decay_strict
-    dk += _mm(dgram, k, DT) + _mm(tl.trans(dgram), k, DT)
-    dstrength += tl.sum(dA * gram, axis=1)
+    dk = _mm(dgram, k, DT) + _mm(tl.trans(dgram), k, DT)
+    dstrength = tl.sum(dA * gram, axis=1)
     decay_grad = dA * strength[:, None] * gram
-    dG += tl.sum(decay_grad, axis=1) - tl.sum(decay_grad, axis=0)
+    dG = tl.sum(decay_grad, axis=1) - tl.sum(decay_grad, axis=0)
     return dk, dstrength, dG
+
+
+@triton.jit
+def _wy_backward(X, dX, dW, k, gram, decay_strict, G, strength, DT: tl.constexpr):
+    """Through W = X diag(b e^G) K and X = (I + A)^-1, given dW and dX = dU0 (diag(b) V)^T so far:
+    the contributions to dk, db and dG."""
+    dk, dstrength, dG, dX_write = _wy_write_backward(X, dW, k, G, strength, DT)
+    dk_inverse, dstrength_inverse, dG_inverse = _wy_inverse_backward(X, dX + dX_write, k, gram, decay_strict,
+                                                                     strength, DT)
+    return dk + dk_inverse, dstrength + dstrength_inverse, dG + dG_inverse
 
 
 @triton.jit
@@ -1004,6 +1019,129 @@ def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, resi
     tl.store(dstrength_ptr + rows * HV + head, dstrength, mask=row_ok)
 
 
+@triton.jit
+def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, X_ptr, U_ptr, h_ptr, do_ptr, dh_next_ptr,
+                            dU_ptr, dq_ptr, dk_ptr, dG_parts_ptr, dstrength_parts_ptr, dX_parts_ptr,
+                            cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, L, HV, GROUP, DK, DV,
+                            BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                            DELTA: tl.constexpr, VARLEN: tl.constexpr):
+    """Without the residual state, per key tile, chunk and value head: dq, and dk but for the
+    part through X (the delta rule's; `_chunk_grad_values_kernel` adds it). Their accumulators
+    span BK of the key columns, so that a key tile's programs run side by side; what needs every
+    key column (dG, db, and the delta rule's dX, through W = X diag(b e^G) K) is stored per key
+    tile and summed by `_chunk_grad_values_kernel`."""
+    key_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    r = tl.arange(0, BC)
+    rows = start + r
+    row_ok = rows < end
+    kcols = key_tile * BK + tl.arange(0, BK)
+    # Kept in the inputs' dtype through the value loop (fewer registers), as the dots take them.
+    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+    strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
+    G = tl.cumsum(g, axis=0)
+    G_last = tl.sum(g, axis=0)
+    dq_inter = tl.zeros([BC, BK], dtype=tl.float32)  # dO h^T
+    dk_state = tl.zeros([BC, BK], dtype=tl.float32)  # U dh'^T: the gradient of e^(G_last - G) K
+    dW = tl.zeros([BC, BK], dtype=tl.float32)        # -dU h^T
+    dP = tl.zeros([BC, BC], dtype=tl.float32)        # dO U^T
+    decay_grad_rows = tl.zeros([BK], dtype=tl.float32)  # <dh', h> by key row: the gradient of e^(G_last)
+    for value_start in range(0, DV, BV):
+        vcols = value_start + tl.arange(0, BV)
+        h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
+        h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
+        dh_next = tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0)
+        do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV)
+        if DELTA:
+            U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
+            dW -= _mm(_load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV), tl.trans(h), DT)
+        else:
+            U = strength[:, None] * _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        dq_inter += _mm(do, tl.trans(h), DT)
+        dP += _mm(do, tl.trans(U), DT)
+        dk_state += _mm(U, tl.trans(dh_next), DT)
+        decay_grad_rows += tl.sum(dh_next * h.to(tl.float32), axis=1)
+    dq_inter = (scale * tl.exp(G))[:, None] * dq_inter
+    decay = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf")))
+    dqk = scale * dP * decay  # the gradient of Q K^T
+    qk = _mm(q, tl.trans(k), DT)  # this key tile's share of Q K^T
+    q, k = q.to(tl.float32), k.to(tl.float32)
+    dG = tl.sum(dq_inter * q, axis=1) + tl.sum(dqk * qk, axis=1) - tl.sum(dqk * qk, axis=0)
+    dq = dq_inter + _mm(dqk, k, DT)
+    to_chunk_end = tl.exp(G_last - G)
+    dk = _mm(tl.trans(dqk), q, DT) + to_chunk_end[:, None] * dk_state
+    state_grad = tl.sum(dk_state * k, axis=1) * to_chunk_end
+    dG -= state_grad
+    dG_last = tl.sum(decay_grad_rows, axis=0) * tl.exp(G_last) + tl.sum(state_grad, axis=0)
+    part_rows = key_tile * L + rows
+    if DELTA:
+        X = _load_lower(X_ptr, rows, row_ok, head, HV, BC)
+        dk_write, dstrength, dG_write, dX = _wy_write_backward(X, dW, k, G, strength, DT)
+        dk += dk_write
+        dG += dG_write
+        tl.store(dstrength_parts_ptr + part_rows * HV + head, dstrength, mask=row_ok)
+        _store_rows(dX_parts_ptr, part_rows, row_ok, head, HV, r, BC, dX)
+    # dg is dG's reverse cumulative sum within the chunk: dG_last reaches every row from the last real one.
+    dG += tl.where(r == tl.minimum(end - start, BC) - 1, dG_last, 0.0)
+    tl.store(dG_parts_ptr + part_rows * HV + head, dG, mask=row_ok)
+    _store_rows(dq_ptr, rows, row_ok, head, HV, kcols, DK, dq)
+    _store_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK, dk)
+
+
+@triton.jit
+def _chunk_grad_values_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, X_ptr, dU_ptr, dk_keys_ptr, dG_parts_ptr,
+                              dstrength_parts_ptr, dX_parts_ptr, dk_ptr, dv_ptr, dg_ptr, dstrength_ptr,
+                              cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, L, HV, GROUP, DK, DV,
+                              KEY_TILES: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                              DT: tl.constexpr, DELTA: tl.constexpr, VARLEN: tl.constexpr):
+    """Without the residual state, per chunk and value head, after `_chunk_grad_keys_kernel`: dv,
+    db and dg, and for the delta rule dk's part through X = (I + A)^-1 (added to the key tiles'
+    dk_keys)."""
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    r = tl.arange(0, BC)
+    rows = start + r
+    row_ok = rows < end
+    strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
+    dG = tl.zeros([BC], dtype=tl.float32)
+    dstrength = tl.zeros([BC], dtype=tl.float32)
+    dX = tl.zeros([BC, BC], dtype=tl.float32)  # dU0 (diag(b) V)^T, and through W
+    for part in range(KEY_TILES):
+        part_rows = part * L + rows
+        dG += _token_scalars(dG_parts_ptr, part_rows, row_ok, head, HV)
+        if DELTA:
+            dstrength += _token_scalars(dstrength_parts_ptr, part_rows, row_ok, head, HV)
+            dX += _load_rows(dX_parts_ptr, part_rows, row_ok, head, HV, r, BC)
+    if DELTA:
+        X = _load_lower(X_ptr, rows, row_ok, head, HV, BC)
+    for value_start in range(0, DV, BV):
+        vcols = value_start + tl.arange(0, BV)
+        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV)
+        if DELTA:
+            dV_scaled = _mm(tl.trans(X), dU, DT)  # the gradient of diag(b) V
+            dX += _mm(dU, tl.trans(strength[:, None] * v), DT)
+        else:
+            dV_scaled = dU
+        _store_rows(dv_ptr, rows, row_ok, head, HV, vcols, DV, strength[:, None] * dV_scaled)
+        dstrength += tl.sum(dV_scaled * v, axis=1)
+    if DELTA:
+        kcols = tl.arange(0, BK)
+        k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK).to(tl.float32)
+        G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
+        decay_strict = tl.exp(tl.where(r[:, None] > r[None, :], G[:, None] - G[None, :], float("-inf")))
+        gram = decay_strict * _mm(k, tl.trans(k), DT)
+        dk_inverse, dstrength_inverse, dG_inverse = _wy_inverse_backward(X, dX, k, gram, decay_strict, strength, DT)
+        dk = _load_rows(dk_keys_ptr, rows, row_ok, head, HV, kcols, DK) + dk_inverse
+        _store_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK, dk)
+        dstrength += dstrength_inverse
+        dG += dG_inverse
+    tl.store(dg_ptr + rows * HV + head, tl.cumsum(dG, axis=0, reverse=True), mask=row_ok)
+    tl.store(dstrength_ptr + rows * HV + head, dstrength, mask=row_ok)
+
+
 @_on_inputs_device
 def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, do, dS, dR,
                    chunk_size=CHUNK_SIZE):
@@ -1049,13 +1187,30 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     # B4 x T4096, H8, D128 took 1.52 against 1.74 ms for rla, 0.35 against 0.37 for sgla; gdn
     # the same with both, rdn 3.1 against 3.4 ms the other way round.
     grad_tile = min(run.BV_full, 64 if run.delta else 32)
-    _chunk_grad_kernel[(layout.num_chunks, HV)](
-        run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
-        do, dh_next, dU, dh_next_residual, dU_residual, run.z, dz, dq, dk, dv, dg, dbeta, dgamma,
-        dgamma_write, *run.tables, scale, clip, **run.shape, BV=grad_tile, **common,
-        # A dozen chunk-sized accumulators: more warps, fewer spilled registers. One stage: multi-
-        # buffering the value loop's dozen loads needs more shared memory than an H200 has (400 KB).
-        num_warps=8, num_stages=1)
+    if residual:
+        _chunk_grad_kernel[(layout.num_chunks, HV)](
+            run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
+            do, dh_next, dU, dh_next_residual, dU_residual, run.z, dz, dq, dk, dv, dg, dbeta, dgamma,
+            dgamma_write, *run.tables, scale, clip, **run.shape, BV=grad_tile, **common,
+            # A dozen chunk-sized accumulators: more warps, fewer spilled registers. One stage: multi-
+            # buffering the value loop's dozen loads needs more shared memory than an H200 has (400 KB).
+            num_warps=8, num_stages=1)
+    else:
+        key_tile = min(run.BK, 64)
+        key_tiles = _cdiv(Dk, key_tile)
+        dG_parts = torch.empty(key_tiles, L, HV, **f32)
+        dstrength_parts, dX_parts = ((torch.empty(key_tiles, L, HV, **f32),
+                                      torch.empty(key_tiles, L, HV, chunk_size, **f32)) if run.delta else (dg, dg))
+        dk_keys = torch.empty(L, HV, Dk, **f32) if run.delta else dk  # the delta rule adds X's part after
+        flags = dict(BC=chunk_size, BV=min(run.BV_full, 64), DT=run.DT, DELTA=run.delta, VARLEN=layout.varlen)
+        _chunk_grad_keys_kernel[(key_tiles, layout.num_chunks, HV)](
+            run.q, run.k, run.v, run.g, run.beta, run.X, run.U, run.h, do, dh_next, dU, dq, dk_keys, dG_parts,
+            dstrength_parts, dX_parts, *run.tables, scale, **run.shape, L=L, BK=key_tile, **flags, num_warps=8,
+            num_stages=2)
+        _chunk_grad_values_kernel[(layout.num_chunks, HV)](
+            run.k, run.v, run.g, run.beta, run.X, dU, dk_keys, dG_parts, dstrength_parts, dX_parts, dk, dv, dg,
+            dbeta, *run.tables, **run.shape, L=L, KEY_TILES=key_tiles, BK=run.BK, **flags, num_warps=8,
+            num_stages=2)
     group = lambda x: x if HV == H else x.view(L, H, HV // H, Dk).sum(2)  # noqa: E731  a key head serves HV / H value heads
     shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
     grads = (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta))

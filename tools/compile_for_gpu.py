@@ -61,6 +61,8 @@ def launches(BK, BV_full, delta, residual, fp32):
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, backward_stages),
         (kernels._chunk_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64 if delta else 32)), 8, 1),
+        (kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=min(BV_full, 64)), 8, 2),
+        (kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64)), 8, 2),
     ]
 
 
@@ -69,7 +71,7 @@ def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages, head_si
     of 16 marked so, integers equal to 1 made constants), for B2 x T4096, H = HV = 16: the
     specialisation changes the tiles' layouts, and with them the shared memory."""
     params = list(inspect.signature(fn.fn).parameters)
-    sizes = dict(T=4096, NT=64, HV=16, GROUP=1, DK=head_size, DV=head_size)
+    sizes = dict(T=4096, NT=64, L=8192, HV=16, GROUP=1, DK=head_size, DV=head_size)
     constexprs = {**{k: v for k, v in sizes.items() if v == 1 and k in params}, **constexprs}
     signature = {}
     for name in params:
@@ -177,8 +179,11 @@ def main():
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
                         if not delta and fn is kernels._chunk_wy_kernel or \
                                 not (delta or residual) and fn is kernels._chunk_gram_kernel or \
-                                delta and (fn is kernels._chunk_state_join_kernel or constexprs.get("S_FROM_H")):
-                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
+                                delta and (fn is kernels._chunk_state_join_kernel or constexprs.get("S_FROM_H")) or \
+                                fn is kernels._chunk_grad_kernel and not residual or \
+                                fn in (kernels._chunk_grad_keys_kernel, kernels._chunk_grad_values_kernel) and residual:
+                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins;
+                            # the residual rules' gradients come from one kernel, the others' from two
                         label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
                                  f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
                                  f"{' s_from_h' if constexprs.get('S_FROM_H') else ''}")
