@@ -41,7 +41,7 @@ FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "segment_d
                  "dresidual_strength_ptr")
 
 
-def launches(BK, BV_full, delta, residual, fp32):
+def launches(BK, BV_full, residual, fp32):
     """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
     warps = 4 if BK <= 128 else 8
     state_tile = min(BV_full, 32 if residual else 64)
@@ -60,7 +60,6 @@ def launches(BK, BV_full, delta, residual, fp32):
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, backward_stages),
-        (kernels._chunk_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64 if delta else 32)), 8, 1),
         (kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=min(BV_full, 64)), 8, 2),
         (kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64)), 8, 2),
     ]
@@ -173,17 +172,14 @@ def main():
         for head_size in [] if args.layers_only else args.head_sizes:
             for delta in (True, False):
                 for residual in (False, True):
-                    for fn, constexprs, warps, stages in launches(head_size, head_size, delta, residual, dtype == "fp32"):
+                    for fn, constexprs, warps, stages in launches(head_size, head_size, residual, dtype == "fp32"):
                         params = inspect.signature(fn.fn).parameters
                         flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
                         if not delta and fn is kernels._chunk_wy_kernel or \
                                 not (delta or residual) and fn is kernels._chunk_gram_kernel or \
-                                delta and (fn is kernels._chunk_state_join_kernel or constexprs.get("S_FROM_H")) or \
-                                fn is kernels._chunk_grad_kernel and not residual or \
-                                fn in (kernels._chunk_grad_keys_kernel, kernels._chunk_grad_values_kernel) and residual:
-                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins;
-                            # the residual rules' gradients come from one kernel, the others' from two
+                                delta and (fn is kernels._chunk_state_join_kernel or constexprs.get("S_FROM_H")):
+                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
                         label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
                                  f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
                                  f"{' s_from_h' if constexprs.get('S_FROM_H') else ''}")
