@@ -759,7 +759,8 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
 # U0_R = X_R diag(b_R) r and the clip (zero gradient where z was clipped) into pred =
 # e^(G_prev) K h + P U, P = strictly_lower(e^(G_prev_i - G_j) K K^T), whose gradient joins S's
 # reverse pass (A is then strictly lower: the base read is exclusive).
-# Then every chunk at once (_chunk_grad_kernel): dq, dk, dv, the gates' gradients, through
+# Then every chunk at once, per key tile (_chunk_grad_keys_kernel) and per chunk
+# (_chunk_grad_values_kernel): dq, dk, dv, the gates' gradients, through
 # U = U0 - W h with W = X diag(b e^G) K, U0 = X diag(b) V and X = (I + A)^-1
 # (dA = -X^T dX X^T, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T)). Every dependence on the
 # cumulative decay G is gathered as dG and turned into dg by a reverse cumulative sum within the
@@ -860,154 +861,249 @@ def _chunk_residual_grad_kernel(residual_strength_ptr, X_residual_ptr, P_ptr, z_
 
 
 @triton.jit
-def _wy_backward(X, dX, dW, k, gram, decay_strict, G, strength, DT: tl.constexpr):
-    """Through W = X diag(b e^G) K and X = (I + A)^-1, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T)
-    (`gram` = strictly_lower(e^(G_i - G_j) K K^T)), given dW and dX = dU0 (diag(b) V)^T so far:
-    the contributions to dk, db and dG."""
+def _wy_write_backward(X, dW, k, G, strength, DT: tl.constexpr):
+    """Through W = X diag(b e^G) K for some of K's columns (with dW's): the contributions to dk
+    (those columns), db and dG, and dW's share of dX, dW (diag(b e^G) K)^T."""
     k_scaled = (strength * tl.exp(G))[:, None] * k
     dk_scaled = _mm(tl.trans(X), dW, DT)
-    dX += _mm(dW, tl.trans(k_scaled), DT)
     dk = (strength * tl.exp(G))[:, None] * dk_scaled
     dstrength = tl.sum(dk_scaled * k * tl.exp(G)[:, None], axis=1)
     dG = tl.sum(dk_scaled * k_scaled, axis=1)
+    return dk, dstrength, dG, _mm(dW, tl.trans(k_scaled), DT)
+
+
+@triton.jit
+def _wy_inverse_backward(X, dX, k, gram, decay_strict, strength, DT: tl.constexpr):
+    """Through X = (I + A)^-1, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T) (`gram` =
+    strictly_lower(e^(G_i - G_j) K K^T)), given the whole dX: the contributions to dk, db and dG."""
     dA = -_mm(tl.trans(X), _mm(dX, tl.trans(X), DT), DT)  # only its strictly lower part is read
     dgram = strength[:, None] * dA * decay_strict
-    dk += _mm(dgram, k, DT) + _mm(tl.trans(dgram), k, DT)
-    dstrength += tl.sum(dA * gram, axis=1)
+    dk = _mm(dgram, k, DT) + _mm(tl.trans(dgram), k, DT)
+    dstrength = tl.sum(dA * gram, axis=1)
     decay_grad = dA * strength[:, None] * gram
-    dG += tl.sum(decay_grad, axis=1) - tl.sum(decay_grad, axis=0)
+    dG = tl.sum(decay_grad, axis=1) - tl.sum(decay_grad, axis=0)
     return dk, dstrength, dG
 
 
 @triton.jit
-def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, residual_strength_ptr, X_ptr, U_ptr,
-                       h_ptr, X_residual_ptr, U_residual_ptr, h_residual_ptr, do_ptr, dh_next_ptr, dU_ptr,
-                       dh_next_residual_ptr, dU_residual_ptr, z_ptr, dz_ptr,
-                       dq_ptr, dk_ptr, dv_ptr, dg_ptr, dstrength_ptr, dgamma_ptr, dresidual_strength_ptr,
-                       cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, clip, T, NT, HV, GROUP, DK, DV,
-                       BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-                       DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
-    """Per chunk and value head: dq, dk (per value head; the caller sums a key head's group),
-    dv, dg, the write strength's gradient, and gamma's and R's write strength's."""
-    chunk, head = tl.program_id(0), tl.program_id(1)
+def _store_part(ptr, part_rows, row_ok, head, HV, FIELD: tl.constexpr, x):
+    """What a key tile's program leaves per row for `_chunk_grad_values_kernel`, in a
+    [key tiles, tokens, HV, 5] buffer: its shares of dG (FIELD 0), of dG_prev (1), of db (2), of
+    R's write strength's gradient (3) and of dgamma (4)."""
+    tl.store(ptr + (part_rows * HV + head) * 5 + FIELD, x, mask=row_ok)
+
+
+@triton.jit
+def _load_parts(ptr, rows, row_ok, head, HV, L, KEY_TILES: tl.constexpr, FIELD: tl.constexpr, BC: tl.constexpr):
+    """A row quantity summed over the key tiles' parts (`_store_part`)."""
+    total = tl.zeros([BC], dtype=tl.float32)
+    for part in range(KEY_TILES):
+        total += tl.load(ptr + ((part * L + rows) * HV + head) * 5 + FIELD, mask=row_ok, other=0.0)
+    return total
+
+
+@triton.jit
+def _load_dX_parts(ptr, rows, row_ok, head, HV, L, WHICH: tl.constexpr, KEY_TILES: tl.constexpr,
+                   BC: tl.constexpr):
+    """dX's shares through W (WHICH 0) or W_R (1), summed over the key tiles."""
+    total = tl.zeros([BC, BC], dtype=tl.float32)
+    for part in range(KEY_TILES):
+        total += _load_rows(ptr, (part * 2 + WHICH) * L + rows, row_ok, head, HV, tl.arange(0, BC), BC)
+    return total
+
+
+@triton.jit
+def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, residual_strength_ptr, X_ptr,
+                            U_ptr, h_ptr, X_residual_ptr, U_residual_ptr, h_residual_ptr, do_ptr, dh_next_ptr,
+                            dU_ptr, dh_next_residual_ptr, dU_residual_ptr, dz_ptr, dq_ptr, dk_ptr, parts_ptr,
+                            dX_parts_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, L, HV,
+                            GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                            DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
+    """Per key tile, chunk and value head: dq, and dk but for its part through X (the delta
+    rule's; `_chunk_grad_values_kernel` adds it). Their accumulators span BK of the key columns,
+    so that a chunk's key tiles run side by side; what needs every key column (the gates'
+    gradients, and dX's share through W = X diag(b e^G) K) is stored per key tile (parts_ptr,
+    dX_parts_ptr) and summed by `_chunk_grad_values_kernel`. Every product with Q K^T or K K^T
+    is linear in them, so each tile takes its own columns' share."""
+    key_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     r = tl.arange(0, BC)
     rows = start + r
     row_ok = rows < end
-    kcols = tl.arange(0, BK)
-    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK).to(tl.float32)
-    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK).to(tl.float32)
+    kcols = key_tile * BK + tl.arange(0, BK)
+    # Kept in the inputs' dtype through the value loop (fewer registers), as the dots take them.
+    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     g = _token_scalars(g_ptr, rows, row_ok, head, HV)
     strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
     G = tl.cumsum(g, axis=0)
     G_last = tl.sum(g, axis=0)
-    if DELTA:
-        X = _load_lower(X_ptr, rows, row_ok, head, HV, BC).to(tl.float32)
-    if RESIDUAL:
-        residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
-        if DELTA:
-            X_residual = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC).to(tl.float32)
     zeros_k, zeros_c = tl.zeros([BC, BK], dtype=tl.float32), tl.zeros([BC, BC], dtype=tl.float32)
-    dq_inter, dq_inter_residual = zeros_k, zeros_k  # scale e^G dO h^T, of S and of R
-    dP, dP_residual = zeros_c, zeros_c              # scale dO U^T, of S and of R
-    dk_state = zeros_k      # U dh'^T summed over both states: the gradient of e^(G_last - G) K
-    dW, dW_residual = zeros_k, zeros_k              # -dU h^T
-    dX, dX_residual = zeros_c, zeros_c              # dU0 (diag(b) V)^T, and R's with r for V
-    dk_pred, dP_pred = zeros_k, zeros_c             # pred's: -dz h^T and -dz U^T
-    dstrength, dresidual_strength = tl.zeros([BC], dtype=tl.float32), tl.zeros([BC], dtype=tl.float32)
+    dq_reads, dq_reads_residual = zeros_k, zeros_k  # dO h^T and dO h_R^T
+    dk_state = zeros_k      # U dh'^T over both states: the gradient of e^(G_last - G) K
+    dW, dW_residual = zeros_k, zeros_k              # -dU h^T, -dU_R h_R^T
+    dk_pred = zeros_k       # pred's: -dz h^T
+    dP, dP_residual, dP_pred = zeros_c, zeros_c, zeros_c  # dO U^T, dO U_R^T, -dz U^T
     decay_grad_rows = tl.zeros([BK], dtype=tl.float32)  # <dh', h> by key row: the gradient of e^(G_last)
     for value_start in range(0, DV, BV):
         vcols = value_start + tl.arange(0, BV)
         h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
-        h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
-        dh_next = tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
-        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
+        dh_next = tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0)
+        do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV)
         if DELTA:
-            U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            dV_scaled = _mm(tl.trans(X), dU, DT)  # the gradient of diag(b) V
-            dW -= _mm(dU, tl.trans(h), DT)
-            dX += _mm(dU, tl.trans(strength[:, None] * v), DT)
+            U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
+            dW -= _mm(_load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV), tl.trans(h), DT)
         else:
-            U = strength[:, None] * v
-            dV_scaled = dU
-        dv = strength[:, None] * dV_scaled
-        dstrength += tl.sum(dV_scaled * v, axis=1)
-        dq_inter += scale * tl.exp(G)[:, None] * _mm(do, tl.trans(h), DT)
-        dP += scale * _mm(do, tl.trans(U), DT)
+            U = strength[:, None] * _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        dq_reads += _mm(do, tl.trans(h), DT)
+        dP += _mm(do, tl.trans(U), DT)
         dk_state += _mm(U, tl.trans(dh_next), DT)
-        decay_grad_rows += tl.sum(dh_next * h, axis=1)
+        decay_grad_rows += tl.sum(dh_next * h.to(tl.float32), axis=1)
         if RESIDUAL:
-            h = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
-            dh_next = tl.load(dh_next_residual_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
-            U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            residual = tl.minimum(tl.maximum(_load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV), -clip), clip)
-            dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            dv += dz
-            dk_pred -= _mm(dz, tl.trans(tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)), DT)
+            # pred = e^(G_prev) K h + P U reads h and U with gradient -dz (zero where clipped)
+            dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
+            dk_pred -= _mm(dz, tl.trans(h), DT)
             dP_pred -= _mm(dz, tl.trans(U), DT)
-            dq_inter_residual += scale * tl.exp(G)[:, None] * _mm(do, tl.trans(h), DT)
-            dP_residual += scale * _mm(do, tl.trans(U_residual), DT)
+            h = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
+            dh_next = tl.load(dh_next_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
+            U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV)
+            dq_reads_residual += _mm(do, tl.trans(h), DT)
+            dP_residual += _mm(do, tl.trans(U_residual), DT)
             dk_state += _mm(U_residual, tl.trans(dh_next), DT)
-            decay_grad_rows += tl.sum(dh_next * h, axis=1)
-            dr_scaled = dU_residual  # the gradient of diag(b_R) r
+            decay_grad_rows += tl.sum(dh_next * h.to(tl.float32), axis=1)
             if DELTA:
-                dr_scaled = _mm(tl.trans(X_residual), dU_residual, DT)
-                dW_residual -= _mm(dU_residual, tl.trans(h), DT)
-                dX_residual += _mm(dU_residual, tl.trans(residual_strength[:, None] * residual), DT)
-            dresidual_strength += tl.sum(dr_scaled * residual, axis=1)
-        _store_rows(dv_ptr, rows, row_ok, head, HV, vcols, DV, dv)
-    dG_last = tl.sum(decay_grad_rows, axis=0) * tl.exp(G_last)
-    qk = _mm(q, tl.trans(k), DT)
+                dW_residual -= _mm(_load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV), tl.trans(h), DT)
+    to_row = scale * tl.exp(G)  # the scaled decay from the chunk's start to each row
     decay = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf")))
-    decay_strict = tl.where(r[:, None] > r[None, :], decay, 0.0)
+    qk = _mm(q, tl.trans(k), DT)  # this key tile's share of Q K^T
+    q, k = q.to(tl.float32), k.to(tl.float32)
+    part_rows = key_tile * L + rows
     if RESIDUAL:
         gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
-        dgamma = tl.sum(dq_inter_residual * q, axis=1) + tl.sum(dP_residual * decay * qk, axis=1)
-        tl.store(dgamma_ptr + rows * HV + head, dgamma, mask=row_ok)
-        dq_inter += gamma[:, None] * dq_inter_residual
-        dqk = dP * decay_strict + gamma[:, None] * dP_residual * decay  # the gradient of Q K^T
+        dq_inter_residual = to_row[:, None] * dq_reads_residual
+        dgamma = tl.sum(dq_inter_residual * q, axis=1) + scale * tl.sum(dP_residual * decay * qk, axis=1)
+        _store_part(parts_ptr, part_rows, row_ok, head, HV, 4, dgamma)
+        dq_inter = to_row[:, None] * dq_reads + gamma[:, None] * dq_inter_residual
+        decay_strict = tl.where(r[:, None] > r[None, :], decay, 0.0)
+        dqk = scale * (dP * decay_strict + gamma[:, None] * dP_residual * decay)  # the gradient of Q K^T
     else:
-        dqk = dP * decay
+        dq_inter = to_row[:, None] * dq_reads
+        dqk = scale * dP * decay
     dG = tl.sum(dq_inter * q, axis=1) + tl.sum(dqk * qk, axis=1) - tl.sum(dqk * qk, axis=0)
     dq = dq_inter + _mm(dqk, k, DT)
-    dk = _mm(tl.trans(dqk), q, DT)
     to_chunk_end = tl.exp(G_last - G)
+    dk = _mm(tl.trans(dqk), q, DT) + to_chunk_end[:, None] * dk_state
     state_grad = tl.sum(dk_state * k, axis=1) * to_chunk_end
-    dk += to_chunk_end[:, None] * dk_state
     dG -= state_grad
-    dG_last += tl.sum(state_grad, axis=0)
-    kk = _mm(k, tl.trans(k), DT)
+    dG_last = tl.sum(decay_grad_rows, axis=0) * tl.exp(G_last) + tl.sum(state_grad, axis=0)
     if RESIDUAL:
         G_prev = G - g
         pred_decay = tl.exp(tl.where(r[:, None] > r[None, :], G_prev[:, None] - G[None, :], float("-inf")))
+        kk = _mm(k, tl.trans(k), DT)  # this key tile's share of K K^T
         dk += tl.exp(G_prev)[:, None] * dk_pred
         dG_prev = tl.sum(dk_pred * k, axis=1) * tl.exp(G_prev)
         dkk = dP_pred * pred_decay
         dk += _mm(dkk, k, DT) + _mm(tl.trans(dkk), k, DT)
         dG_prev += tl.sum(dkk * kk, axis=1)
         dG += dG_prev - tl.sum(dkk * kk, axis=0)
+        _store_part(parts_ptr, part_rows, row_ok, head, HV, 1, dG_prev)
     if DELTA:
-        gram = decay_strict * kk
-        dk_wy, dstrength_wy, dG_wy = _wy_backward(X, dX, dW, k, gram, decay_strict, G, strength, DT)
-        dk += dk_wy
-        dstrength += dstrength_wy
-        dG += dG_wy
+        dk_write, dstrength, dG_write, dX = _wy_write_backward(
+            _load_lower(X_ptr, rows, row_ok, head, HV, BC), dW, k, G, strength, DT)
+        dk += dk_write
+        dG += dG_write
+        _store_part(parts_ptr, part_rows, row_ok, head, HV, 2, dstrength)
+        _store_rows(dX_parts_ptr, key_tile * 2 * L + rows, row_ok, head, HV, r, BC, dX)
         if RESIDUAL:
-            dk_wy, dstrength_wy, dG_wy = _wy_backward(X_residual, dX_residual, dW_residual, k, gram, decay_strict, G,
-                                                      residual_strength, DT)
-            dk += dk_wy
-            dresidual_strength += dstrength_wy
-            dG += dG_wy
-    dG += tl.where(r == BC - 1, dG_last, 0.0)
-    dg = tl.cumsum(dG, axis=0, reverse=True)
-    if RESIDUAL:
-        dg -= dG_prev  # G_prev_t = G_t - g_t
-        tl.store(dresidual_strength_ptr + rows * HV + head, dresidual_strength, mask=row_ok)
+            residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
+            dk_write, dstrength, dG_write, dX = _wy_write_backward(
+                _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC), dW_residual, k, G, residual_strength, DT)
+            dk += dk_write
+            dG += dG_write
+            _store_part(parts_ptr, part_rows, row_ok, head, HV, 3, dstrength)
+            _store_rows(dX_parts_ptr, (key_tile * 2 + 1) * L + rows, row_ok, head, HV, r, BC, dX)
+    # dg is dG's reverse cumulative sum within the chunk: dG_last reaches every row from the last real one.
+    dG += tl.where(r == tl.minimum(end - start, BC) - 1, dG_last, 0.0)
+    _store_part(parts_ptr, part_rows, row_ok, head, HV, 0, dG)
     _store_rows(dq_ptr, rows, row_ok, head, HV, kcols, DK, dq)
     _store_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK, dk)
+
+
+@triton.jit
+def _chunk_grad_values_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X_ptr, X_residual_ptr,
+                              z_ptr, dU_ptr, dU_residual_ptr, dz_ptr, dk_keys_ptr, parts_ptr, dX_parts_ptr,
+                              dk_ptr, dv_ptr, dg_ptr, dstrength_ptr, dgamma_ptr, dresidual_strength_ptr,
+                              cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, clip, T, NT, L, HV, GROUP, DK, DV,
+                              KEY_TILES: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                              DT: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr,
+                              VARLEN: tl.constexpr):
+    """Per chunk and value head, after `_chunk_grad_keys_kernel`: dv, the gates' gradients (the
+    key tiles' parts summed), and for the delta rule dk's part through X = (I + A)^-1 (and X_R),
+    added to the key tiles' dk_keys."""
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    r = tl.arange(0, BC)
+    rows = start + r
+    row_ok = rows < end
+    strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
+    dG = _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 0, BC)
+    dstrength = tl.zeros([BC], dtype=tl.float32)
+    dresidual_strength = tl.zeros([BC], dtype=tl.float32)
+    if DELTA:
+        dstrength += _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 2, BC)
+        X = _load_lower(X_ptr, rows, row_ok, head, HV, BC)
+        dX = _load_dX_parts(dX_parts_ptr, rows, row_ok, head, HV, L, 0, KEY_TILES, BC)
+    if RESIDUAL:
+        residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
+        if DELTA:
+            dresidual_strength += _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 3, BC)
+            X_residual = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
+            dX_residual = _load_dX_parts(dX_parts_ptr, rows, row_ok, head, HV, L, 1, KEY_TILES, BC)
+    for value_start in range(0, DV, BV):
+        vcols = value_start + tl.arange(0, BV)
+        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV)
+        if DELTA:
+            dV_scaled = _mm(tl.trans(X), dU, DT)  # the gradient of diag(b) V
+            dX += _mm(dU, tl.trans(strength[:, None] * v), DT)
+        else:
+            dV_scaled = dU
+        dv = strength[:, None] * dV_scaled
+        dstrength += tl.sum(dV_scaled * v, axis=1)
+        if RESIDUAL:
+            dv += _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
+            residual = tl.minimum(tl.maximum(_load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV), -clip), clip)
+            dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV)
+            dr_scaled = dU_residual  # the gradient of diag(b_R) r
+            if DELTA:
+                dr_scaled = _mm(tl.trans(X_residual), dU_residual, DT)
+                dX_residual += _mm(dU_residual, tl.trans(residual_strength[:, None] * residual), DT)
+            dresidual_strength += tl.sum(dr_scaled * residual, axis=1)
+        _store_rows(dv_ptr, rows, row_ok, head, HV, vcols, DV, dv)
+    if DELTA:
+        kcols = tl.arange(0, BK)
+        k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK).to(tl.float32)
+        G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
+        decay_strict = tl.exp(tl.where(r[:, None] > r[None, :], G[:, None] - G[None, :], float("-inf")))
+        gram = decay_strict * _mm(k, tl.trans(k), DT)
+        dk_inverse, dstrength_inverse, dG_inverse = _wy_inverse_backward(X, dX, k, gram, decay_strict, strength, DT)
+        dk = _load_rows(dk_keys_ptr, rows, row_ok, head, HV, kcols, DK) + dk_inverse
+        dstrength += dstrength_inverse
+        dG += dG_inverse
+        if RESIDUAL:
+            dk_inverse, dstrength_inverse, dG_inverse = _wy_inverse_backward(X_residual, dX_residual, k, gram,
+                                                                             decay_strict, residual_strength, DT)
+            dk += dk_inverse
+            dresidual_strength += dstrength_inverse
+            dG += dG_inverse
+        _store_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK, dk)
+    dg = tl.cumsum(dG, axis=0, reverse=True)
+    if RESIDUAL:
+        dg -= _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 1, BC)  # G_prev_t = G_t - g_t
+        tl.store(dgamma_ptr + rows * HV + head, _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 4, BC),
+                 mask=row_ok)
+        tl.store(dresidual_strength_ptr + rows * HV + head, dresidual_strength, mask=row_ok)
     tl.store(dg_ptr + rows * HV + head, dg, mask=row_ok)
     tl.store(dstrength_ptr + rows * HV + head, dstrength, mask=row_ok)
 
@@ -1064,17 +1160,21 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     dv = torch.empty(L, HV, Dv, device=q.device, dtype=v.dtype)
     dg, dbeta = torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)
     dgamma, dgamma_write = (torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)) if residual else (dg, dg)
-    # Value tiles of 64 for the delta rule, 32 for the additive one: the kernel alone on an H200 at
-    # B4 x T4096, H8, D128 took 1.52 against 1.74 ms for rla, 0.35 against 0.37 for sgla; gdn
-    # the same with both, rdn 3.1 against 3.4 ms the other way round.
-    grad_tile = min(run.BV_full, 64 if run.delta else 32)
-    _chunk_grad_kernel[(layout.num_chunks, HV)](
+    # The key tiles' programs: dq, and dk but for X's part (fp32 then, for the values' kernel to add it).
+    key_tile = min(run.BK, 64)
+    key_tiles = _cdiv(Dk, key_tile)
+    parts = torch.empty(key_tiles, L, HV, 5, **f32)
+    dX_parts = torch.empty(key_tiles, 2, L, HV, chunk_size, **f32) if run.delta else parts
+    dk_keys = torch.empty(L, HV, Dk, **f32) if run.delta else dk
+    common["BV"] = min(run.BV_full, 64)
+    _chunk_grad_keys_kernel[(key_tiles, layout.num_chunks, HV)](
         run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
-        do, dh_next, dU, dh_next_residual, dU_residual, run.z, dz, dq, dk, dv, dg, dbeta, dgamma,
-        dgamma_write, *run.tables, scale, clip, **run.shape, BV=grad_tile, **common,
-        # A dozen chunk-sized accumulators: more warps, fewer spilled registers. One stage: multi-
-        # buffering the value loop's dozen loads needs more shared memory than an H200 has (400 KB).
-        num_warps=8, num_stages=1)
+        do, dh_next, dU, dh_next_residual, dU_residual, dz, dq, dk_keys, parts, dX_parts, *run.tables, scale,
+        **run.shape, L=L, **{**common, "BK": key_tile}, num_warps=8, num_stages=2)
+    _chunk_grad_values_kernel[(layout.num_chunks, HV)](
+        run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dU, dU_residual, dz, dk_keys,
+        parts, dX_parts, dk, dv, dg, dbeta, dgamma, dgamma_write, *run.tables, clip, **run.shape, L=L,
+        KEY_TILES=key_tiles, **common, num_warps=8, num_stages=2)
     group = lambda x: x if HV == H else x.view(L, H, HV // H, Dk).sum(2)  # noqa: E731  a key head serves HV / H value heads
     shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
     grads = (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta))

@@ -41,7 +41,7 @@ FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "segment_d
                  "dresidual_strength_ptr")
 
 
-def launches(BK, BV_full, delta, residual, fp32):
+def launches(BK, BV_full, residual, fp32):
     """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
     warps = 4 if BK <= 128 else 8
     state_tile = min(BV_full, 64)
@@ -60,7 +60,8 @@ def launches(BK, BV_full, delta, residual, fp32):
         *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile, GATED_READ=gated, PRED=pred),
            warps, backward_stages) for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
         (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
-        (kernels._chunk_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64 if delta else 32)), 8, 1),
+        (kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=min(BV_full, 64)), 8, 2),
+        (kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64)), 8, 2),
     ]
 
 
@@ -69,7 +70,7 @@ def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages, head_si
     of 16 marked so, integers equal to 1 made constants), for B2 x T4096, H = HV = 16: the
     specialisation changes the tiles' layouts, and with them the shared memory."""
     params = list(inspect.signature(fn.fn).parameters)
-    sizes = dict(T=4096, NT=64, HV=16, GROUP=1, DK=head_size, DV=head_size)
+    sizes = dict(T=4096, NT=64, L=8192, HV=16, GROUP=1, DK=head_size, DV=head_size)
     constexprs = {**{k: v for k, v in sizes.items() if v == 1 and k in params}, **constexprs}
     signature = {}
     for name in params:
@@ -171,7 +172,7 @@ def main():
         for head_size in [] if args.layers_only else args.head_sizes:
             for delta in (True, False):
                 for residual in (False, True):
-                    for fn, constexprs, warps, stages in launches(head_size, head_size, delta, residual, dtype == "fp32"):
+                    for fn, constexprs, warps, stages in launches(head_size, head_size, residual, dtype == "fp32"):
                         params = inspect.signature(fn.fn).parameters
                         flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
