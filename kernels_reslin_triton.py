@@ -395,70 +395,79 @@ def _state_tile(seq_head, kcols, vcols, DK, DV):
 
 
 @triton.jit
-def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr,
-                        X_residual_ptr, W_residual_ptr, P_ptr, U_residual_ptr, h_residual_ptr, S_ptr, R_ptr,
-                        z_ptr, cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV,
-                        BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-                        DELTA: tl.constexpr, RESIDUAL: tl.constexpr, STORE_Z: tl.constexpr, S_FROM_H: tl.constexpr,
-                        VARLEN: tl.constexpr):
-    """Chunk after chunk of one (sequence, value head, value tile): stores the chunk-start states
-    h (and h of R) and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed where
-    read), then S = e^(G_last) h + (e^(G_last - G) K)^T U. With the residual state it also forms
-    pred_t = S_{t-1}^T k_t, z = v - pred (stored for the backward when STORE_Z), the clipped
-    residual r, R's writes U0 - W h_R with U0 = X diag(b) r (every step is column-separable: the
-    value tile never needs the others), and advances R. With S_FROM_H (the additive rule's R
-    pass, after an S pass) S is not advanced but read from h, which holds it already."""
+def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S_ptr, cu_seqlens_ptr,
+                        chunk_offsets_ptr, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
+                        BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, VARLEN: tl.constexpr):
+    """Chunk after chunk of one (sequence, value head, value tile) of one state: stores the
+    chunk-start states h and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed
+    where read), then S = e^(G_last) h + (e^(G_last - G) K)^T U. S_ptr holds the initial state
+    on entry, the final one on exit. The residual rules run it twice: for S, then for R with
+    its own writes (`_chunk_residual_writes_kernel`) in place of V, or of U0 and W."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
     state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
     tile = kcols[:, None] * DV + vcols[None, :]
-    if not S_FROM_H:
-        S = tl.load(S_ptr + state_offsets, mask=tile_ok, other=0.0)
-    if RESIDUAL:
-        R = tl.load(R_ptr + state_offsets, mask=tile_ok, other=0.0)
+    S = tl.load(S_ptr + state_offsets, mask=tile_ok, other=0.0)
     r = tl.arange(0, BC)
     for start in range(bos, eos, BC):
-        h_offsets = (chunk * HV + head) * DK * DV + tile
-        if S_FROM_H:
-            S = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
-        else:
-            tl.store(h_ptr + h_offsets, S.to(DT), mask=tile_ok)
+        tl.store(h_ptr + (chunk * HV + head) * DK * DV + tile, S.to(DT), mask=tile_ok)
         rows = start + r
         row_ok = rows < eos
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
-        G = tl.cumsum(g, axis=0)
         G_last = tl.sum(g, axis=0)  # padded rows add 0: the last real token's cumulative decay
         k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
         if DELTA:
             W = _load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)
             U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32) - _mm(W, S, DT)
             _store_rows(U_ptr, rows, row_ok, head, HV, vcols, DV, U)
         else:
-            U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
-        k_to_chunk_end = tl.trans(tl.exp(G_last - G)[:, None] * k)
-        if RESIDUAL:
-            tl.store(h_residual_ptr + h_offsets, R.to(DT), mask=tile_ok)
-            z = v - _pred(k, S, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), G - g, DT)
-            if STORE_Z:
-                _store_rows(z_ptr, rows, row_ok, head, HV, vcols, DV, z)
-            residual = tl.minimum(tl.maximum(z, -clip), clip)
-            U_residual = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
-            if DELTA:
-                X = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
-                W = _load_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK)
-                U_residual = _mm(X, U_residual, DT) - _mm(W, R, DT)
-            _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, U_residual)
-            R = tl.exp(G_last) * R + _mm(k_to_chunk_end, U_residual, DT)
-        if not S_FROM_H:
-            S = tl.exp(G_last) * S + _mm(k_to_chunk_end, U, DT)
+            U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
+                _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        k_to_chunk_end = tl.trans(tl.exp(G_last - tl.cumsum(g, axis=0))[:, None] * k)
+        S = tl.exp(G_last) * S + _mm(k_to_chunk_end, U, DT)
         chunk += 1
-    if not S_FROM_H:
-        tl.store(S_ptr + state_offsets, S, mask=tile_ok)
-    if RESIDUAL:
-        tl.store(R_ptr + state_offsets, R, mask=tile_ok)
+    tl.store(S_ptr + state_offsets, S, mask=tile_ok)
+
+
+@triton.jit
+def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, U_ptr, h_ptr, P_ptr,
+                                  X_residual_ptr, z_ptr, writes_ptr, U_residual_ptr, cu_seqlens_ptr, chunk_seq_ptr,
+                                  chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
+                                  BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
+                                  STORE_Z: tl.constexpr, VARLEN: tl.constexpr):
+    """Every chunk at once, after S's pass: pred_t = S_{t-1}^T k_t from the chunk-start state h
+    and the chunk's own writes U, z = v - pred (stored for the backward when STORE_Z), the
+    clipped residual r, and what R's pass writes with: U0_R = X_R diag(b_R) r for the delta
+    rule, r itself for the additive one (its pass scales by b_R; R's writes U_R = diag(b_R) r
+    are stored too, for the output and the backward, as the delta rule's pass stores its own).
+    None of it needs R, so R's recurrence is S's again, over other writes."""
+    value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    rows = start + tl.arange(0, BC)
+    row_ok = rows < end
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
+    h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+    v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+    if DELTA:
+        U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
+    else:
+        U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
+    z = v - _pred(k, h, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), tl.cumsum(g, axis=0) - g, DT)
+    if STORE_Z:
+        _store_rows(z_ptr, rows, row_ok, head, HV, vcols, DV, z)
+    residual = tl.minimum(tl.maximum(z, -clip), clip)
+    scaled = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
+    if DELTA:
+        _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV,
+                    _mm(_load_lower(X_residual_ptr, rows, row_ok, head, HV, BC), scaled, DT))
+    else:
+        _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV, residual)
+        _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, scaled)
 
 
 @triton.jit
@@ -576,19 +585,15 @@ class _ChunkLayout:
             self.cu_seqlens = self.chunk_offsets = self.chunk_seq = torch.empty(1, device=device, dtype=torch.int64)
 
 
-def pipeline_stages(fp32, BK, residual):
-    """Software-pipelining depth (num_stages) of the sequential state kernels and the output
+def pipeline_stages(fp32, BK):
+    """Software-pipelining depth (num_stages) of the sequential state kernel and the output
     kernel, and of the reverse state kernel: as deep as an H200's 227 KB of shared memory allows.
-    Measured with tools/compile_for_gpu.py (bf16, tiles as launched): the state kernel needs
-    189 KB at D = 128 with the residual state and 3 stages, 341 KB at D = 256 (226 KB with 2, too
-    close); the reverse kernel 250 KB at D = 128 with 3 stages, 156 KB with 2, and at D = 256
-    205-287 KB with 2. Pipelined fp32 tiles take twice the memory of bf16 ones (213 KB for the
-    state kernel at D = 128 with 3 stages)."""
+    Measured with tools/compile_for_gpu.py (bf16, tiles as launched): the reverse kernel needs
+    115 KB at D = 128 with 2 stages, 189 KB with 3 (S's pass of the residual rules), and 230 KB at
+    D = 256 with 2, too close to the limit. Pipelined fp32 tiles take twice the memory of bf16 ones."""
     if fp32:
         return 1, 1
-    if BK > 128:
-        return (1 if residual else 3), 1
-    return 3, 2
+    return 3, (1 if BK > 128 else 2)
 
 
 class _ChunkRun:
@@ -625,7 +630,7 @@ class _ChunkRun:
         self.BK, self.BV_full = max(16, _next_power_of_2(Dk)), max(16, _next_power_of_2(Dv))
         self.DT = TRITON_DTYPES[q.dtype]
         self.warps = 4 if self.BK <= 128 else 8
-        self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK, residual)
+        self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK)
         common = dict(BC=chunk_size, BK=self.BK, DT=self.DT, VARLEN=layout.varlen)
         if delta:
             self.X, self.W, U0, self.U = (empty(L, HV, chunk_size), empty(L, HV, Dk), empty(L, HV, Dv),
@@ -642,31 +647,43 @@ class _ChunkRun:
             _chunk_wy_kernel[(layout.num_chunks, HV)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
                 **self.shape, BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
-        def advance(states, residual_states, cu_seqlens, chunk_offsets, sequences, varlen, residual=residual,
-                    s_from_h=False):
-            """The state kernel from `states` and `residual_states` (overwritten with the final
-            ones) over `sequences`."""
-            _chunk_state_kernel[(_cdiv(Dv, self.state_tile()), sequences * HV)](
-                k, v, g, beta, self.gamma_write, self.W, U0, self.U, self.h, self.X_residual, self.W_residual,
-                self.P, self.U_residual, self.h_residual, states, residual_states, self.z, cu_seqlens, chunk_offsets,
-                clip, **self.shape, BV=self.state_tile(), DELTA=delta, RESIDUAL=residual,
-                STORE_Z=store_z and residual, S_FROM_H=s_from_h, **{**common, "VARLEN": varlen},
-                num_warps=self.warps, num_stages=self.stages)
+        self.S = self.advance(S0, v, beta, self.W, U0, self.U, self.h)
+        if not residual:
+            self.R = self.S
+            return
+        # R's writes (and z) need S's chunk-start states h, not R: every chunk at once, then R's pass.
+        writes = torch.empty(L, HV, Dv, device=q.device, dtype=torch.float32)
+        BV = min(self.BV_full, 64)
+        _chunk_residual_writes_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
+            k, v, g, beta, self.gamma_write, self.U, self.h, self.P, self.X_residual, self.z, writes, self.U_residual,
+            *self.tables, clip, **self.shape, BV=BV, DELTA=delta, STORE_Z=store_z, **common, num_warps=self.warps,
+            num_stages=self.stages)
+        self.R = self.advance(R0, writes, self.gamma_write, self.W_residual, writes, self.U_residual, self.h_residual)
 
+    def advance(self, initial, v, strength, W, U0, U, h):
+        """One state's pass (`_chunk_state_kernel`) from `initial` over the writes (v and the write
+        strength for the additive rule, U0 and W for the delta rule), storing h and, for the delta
+        rule, U. Returns the final state."""
+        layout = self.layout
         segments = self.state_segments()
-        if segments == 1:  # the kernel advances the states in place, from copies of the initial ones
-            self.S = S0.clone(memory_format=torch.contiguous_format)
-            self.R = R0.clone(memory_format=torch.contiguous_format) if residual else self.S
-            advance(self.S, self.R, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences, layout.varlen)
-        else:
-            self.S, self.R = self.advance_in_segments(advance, S0, R0, segments)
+        if segments > 1:
+            return self.advance_in_segments(initial, segments, v, strength, W, U0, U, h)
+        final = initial.clone(memory_format=torch.contiguous_format)  # the kernel advances it in place
+        self.state_pass(final, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences, layout.varlen,
+                        v, strength, W, U0, U, h)
+        return final
+
+    def state_pass(self, states, cu_seqlens, chunk_offsets, sequences, varlen, v, strength, W, U0, U, h):
+        _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
+            self.k, v, self.g, strength, W, U0, U, h, states, cu_seqlens, chunk_offsets, **self.shape,
+            BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta, VARLEN=varlen,
+            num_warps=self.warps, num_stages=self.stages)
 
     def state_segments(self):
         """Segments each sequence's state recurrence is split into (1: not split). Few long
         sequences leave most SMs idle along the sequential loop. The additive rule's states can
-        run in segments side by side, S first, then R: S's writes K^T diag(b) V do not depend on
-        S, and R's depend on S alone (through pred), not on R. The delta rule's writes
-        U = U0 - W h do."""
+        run in segments side by side: S's writes K^T diag(b) V do not depend on S, nor R's on R.
+        The delta rule's writes U = U0 - W h do."""
         layout = self.layout
         if self.delta or layout.varlen:
             return 1
@@ -676,12 +693,10 @@ class _ChunkRun:
         # faster at B1xT32768, H16 D128), not at 4 (30% slower at B2xT8192).
         return segments if segments >= MIN_SEGMENTS else 1
 
-    def advance_in_segments(self, advance, S0, R0, segments):
-        """The state kernel over every segment at once from zero states, then the join kernel:
-        a segment's chunk-start states gain its start state (its row's initial state carried
-        through the segments before it), decayed to each chunk; the final states come last.
-        With R, the same again for R, its kernel reading S from the joined h. Returns the final
-        states (S, R), R being S without the residual state."""
+    def advance_in_segments(self, initial, segments, v, strength, W, U0, U, h):
+        """The state pass over every segment at once from zero states, then the join kernel: a
+        segment's chunk-start states gain its start state (its row's initial state carried
+        through the segments before it), decayed to each chunk; the final states come last."""
         layout, HV, BC = self.layout, self.shape["HV"], self.chunk_size
         B, T, NT = layout.num_sequences, layout.T, layout.NT
         segment_chunks = _cdiv(NT, segments)
@@ -694,30 +709,20 @@ class _ChunkRun:
         padded = torch.nn.functional.pad(self.g.view(B, T, HV), (0, 0, 0, segments * segment_chunks * BC - T))
         # Each segment's log decay, in fp32 whatever g's dtype (the join kernel exponentiates it).
         segment_decay = padded.view(B, segments, segment_chunks * BC, HV).sum(2, dtype=torch.float32)
-        zeros = lambda: torch.zeros(B * segments, *S0.shape[1:], device=S0.device, dtype=torch.float32)  # noqa: E731
-
-        def join(h, initial, ends):
-            initial = initial.contiguous()
-            final = torch.empty_like(initial)  # not the initial state: the join reads it while the last segments write
-            _chunk_state_join_kernel[(_cdiv(self.shape["DV"], self.state_tile()), B * segments, HV)](
-                self.g, h, initial, ends, segment_decay, final, cu_seqlens, chunk_offsets, segments, HV,
-                self.shape["DK"], self.shape["DV"], BC=BC, BK=self.BK, BV=self.state_tile(), DT=self.DT,
-                num_warps=self.warps, num_stages=self.stages)
-            return final
-
-        ends = zeros()
-        advance(ends, ends, cu_seqlens, chunk_offsets, B * segments, True, residual=False)
-        S = join(self.h, S0, ends)
-        if not self.residual:
-            return S, S
-        residual_ends = zeros()
-        advance(ends, residual_ends, cu_seqlens, chunk_offsets, B * segments, True, s_from_h=True)
-        return S, join(self.h_residual, R0, residual_ends)
+        ends = torch.zeros(B * segments, *initial.shape[1:], device=initial.device, dtype=torch.float32)
+        self.state_pass(ends, cu_seqlens, chunk_offsets, B * segments, True, v, strength, W, U0, U, h)
+        initial = initial.contiguous()
+        final = torch.empty_like(initial)  # not the initial state: the join reads it while the last segments write
+        _chunk_state_join_kernel[(_cdiv(self.shape["DV"], self.state_tile()), B * segments, HV)](
+            self.g, h, initial, ends, segment_decay, final, cu_seqlens, chunk_offsets, segments, HV,
+            self.shape["DK"], self.shape["DV"], BC=BC, BK=self.BK, BV=self.state_tile(), DT=self.DT,
+            num_warps=self.warps, num_stages=self.stages)
+        return final
 
     def state_tile(self):
         """Value columns a program of the sequential kernels owns: few sequence-heads leave SMs
-        idle, so narrower tiles then; so does holding two states (S and R) in registers."""
-        wide = self.layout.num_sequences * self.shape["HV"] >= 128 and not self.residual
+        idle, so narrower tiles then."""
+        wide = self.layout.num_sequences * self.shape["HV"] >= 128
         return min(self.BV_full, 64 if wide else 32)
 
     def output(self, scale):
@@ -749,11 +754,13 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
 #   dh = e^(G_last) dh' + scale * (e^G Q)^T dO - W^T dU   (no W term for the additive rule).
 # Its first term needs no state: every chunk at once (_chunk_local_grad_kernel). The rest runs
 # chunk after chunk backwards (_chunk_state_backward_kernel, one value tile a program like the
-# forward's state kernel). The residual rules run this for R with gamma dO and the inclusive
-# mask, then through R's writes U0_R = X_R diag(b_R) r and the clip (zero gradient where z was
-# clipped) into pred = e^(G_prev) K h + P U, P = strictly_lower(e^(G_prev_i - G_j) K K^T), whose
-# gradient joins S's (A is then strictly lower: the base read is exclusive).
-# Then every chunk at once (_chunk_grad_kernel): dq, dk, dv, the gates' gradients, through
+# forward's state kernel). The residual rules run this for R first, with gamma dO and the
+# inclusive mask, then every chunk at once (_chunk_residual_grad_kernel) through R's writes
+# U0_R = X_R diag(b_R) r and the clip (zero gradient where z was clipped) into pred =
+# e^(G_prev) K h + P U, P = strictly_lower(e^(G_prev_i - G_j) K K^T), whose gradient joins S's
+# reverse pass (A is then strictly lower: the base read is exclusive).
+# Then every chunk at once, per key tile (_chunk_grad_keys_kernel) and per chunk
+# (_chunk_grad_values_kernel): dq, dk, dv, the gates' gradients, through
 # U = U0 - W h with W = X diag(b e^G) K, U0 = X diag(b) V and X = (I + A)^-1
 # (dA = -X^T dX X^T, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T)). Every dependence on the
 # cumulative decay G is gathered as dG and turned into dg by a reverse cumulative sum within the
@@ -784,16 +791,16 @@ def _chunk_local_grad_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, do_ptr, dU_ptr, dU_
 
 
 @triton.jit
-def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, residual_strength_ptr, W_ptr, X_residual_ptr,
-                                 W_residual_ptr, P_ptr, z_ptr, do_ptr, dS_ptr, dR_ptr, dh_next_ptr, dU_ptr,
-                                 dh_next_residual_ptr, dU_residual_ptr, dz_ptr, cu_seqlens_ptr, chunk_offsets_ptr,
-                                 scale, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
-                                 BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr,
+def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, W_ptr, do_ptr, dz_ptr, dS_ptr, dh_next_ptr, dU_ptr,
+                                 cu_seqlens_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV,
+                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                                 DELTA: tl.constexpr, GATED_READ: tl.constexpr, PRED: tl.constexpr,
                                  VARLEN: tl.constexpr):
-    """dS_ptr (dR_ptr) hold the final states' gradients on entry and the initial states' on exit;
-    dU_ptr (dU_residual_ptr) hold the chunks' own parts of dU on entry (`_chunk_local_grad_kernel`)
-    and the whole dU on exit. Stores dh' of every chunk (of both states), and for the residual
-    rules dz, the gradient of z = v - pred (zero where the forward clipped)."""
+    """One state's reverse pass. dS_ptr holds the final state's gradient on entry and the initial
+    state's on exit; dU_ptr the chunks' own parts of dU on entry (`_chunk_local_grad_kernel`,
+    and for S of the residual rules pred's -P^T dz, `_chunk_residual_grad_kernel`) and the whole
+    dU on exit. Stores dh' of every chunk. R's pass reads gamma dO (GATED_READ); S's pass of the
+    residual rules (PRED) adds pred's reading of the chunk-start state, -(e^(G_prev) K)^T dz."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, first_chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -801,205 +808,302 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, residual_streng
     state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
     tile = kcols[:, None] * DV + vcols[None, :]
     dh = tl.load(dS_ptr + state_offsets, mask=tile_ok, other=0.0)
-    if RESIDUAL:
-        dh_residual = tl.load(dR_ptr + state_offsets, mask=tile_ok, other=0.0)
     r = tl.arange(0, BC)
     num_chunks = tl.cdiv(eos - bos, BC)
     for i in range(num_chunks):
         index = num_chunks - 1 - i
-        h_offsets = ((first_chunk + index) * HV + head) * DK * DV + tile
-        tl.store(dh_next_ptr + h_offsets, dh, mask=tile_ok)
+        tl.store(dh_next_ptr + ((first_chunk + index) * HV + head) * DK * DV + tile, dh, mask=tile_ok)
         rows = bos + index * BC + r
         row_ok = rows < eos
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
         G = tl.cumsum(g, axis=0)
         G_last = tl.sum(g, axis=0)
-        to_chunk_end = tl.exp(G_last - G)[:, None]
         q_decayed_t = tl.trans(tl.exp(G)[:, None] * _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP,
                                                                 kcols, DK))
         k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) + to_chunk_end * _mm(k, dh, DT)
-        if RESIDUAL:
-            tl.store(dh_next_residual_ptr + h_offsets, dh_residual, mask=tile_ok)
-            dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV) + \
-                to_chunk_end * _mm(k, dh_residual, DT)
-            _store_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV, dU_residual)
-            do_residual = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
-            dh_residual = tl.exp(G_last) * dh_residual + scale * _mm(q_decayed_t, do_residual, DT)
-            dr = dU_residual
-            if DELTA:
-                W = _load_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK)
-                dh_residual -= _mm(tl.trans(W), dU_residual, DT)
-                dr = _mm(tl.trans(_load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)), dU_residual, DT)
-            dr = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * dr
-            # The clip passes gradient only where it did not clip; pred = e^(G_prev) K h + P U
-            # then reads U and h with gradient -dz.
-            z = _load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV)
-            dz = tl.where((z >= -clip) & (z <= clip), dr, 0.0)
-            _store_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV, dz)
-            dU -= _mm(tl.trans(_load_lower(P_ptr, rows, row_ok, head, HV, BC)), dz, DT)
-            dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT) - \
-                _mm(tl.trans(tl.exp(G - g)[:, None] * k), dz, DT)
-        else:
-            dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT)
+        if GATED_READ:
+            do = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
+        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) + tl.exp(G_last - G)[:, None] * _mm(k, dh, DT)
         _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
+        dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT)
+        if PRED:
+            dh -= _mm(tl.trans(tl.exp(G - g)[:, None] * k), _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV), DT)
         if DELTA:
             dh -= _mm(tl.trans(_load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)), dU, DT)
     tl.store(dS_ptr + state_offsets, dh, mask=tile_ok)
-    if RESIDUAL:
-        tl.store(dR_ptr + state_offsets, dh_residual, mask=tile_ok)
 
 
 @triton.jit
-def _wy_backward(X, dX, dW, k, gram, decay_strict, G, strength, DT: tl.constexpr):
-    """Through W = X diag(b e^G) K and X = (I + A)^-1, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T)
-    (`gram` = strictly_lower(e^(G_i - G_j) K K^T)), given dW and dX = dU0 (diag(b) V)^T so far:
-    the contributions to dk, db and dG."""
+def _chunk_residual_grad_kernel(residual_strength_ptr, X_residual_ptr, P_ptr, z_ptr, dU_residual_ptr, dz_ptr,
+                                dU_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, clip, T, NT, HV, DV,
+                                BC: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
+                                VARLEN: tl.constexpr):
+    """Every chunk at once, between R's reverse pass and S's (the adjoint of
+    `_chunk_residual_writes_kernel`): from R's whole dU_R through its writes U0_R = X_R diag(b_R) r
+    (the additive rule: diag(b_R) r) and the clip, dz, the gradient of z = v - pred (zero where
+    the forward clipped); then pred = e^(G_prev) K h + P U reads S's writes U: dU -= P^T dz."""
+    value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    rows = start + tl.arange(0, BC)
+    row_ok = rows < end
+    vcols = value_tile * BV + tl.arange(0, BV)
+    dr = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV)
+    if DELTA:
+        dr = _mm(tl.trans(_load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)), dr, DT)
+    dr = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * dr
+    z = _load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV)
+    dz = tl.where((z >= -clip) & (z <= clip), dr, 0.0)
+    _store_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV, dz)
+    dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) - \
+        _mm(tl.trans(_load_lower(P_ptr, rows, row_ok, head, HV, BC)), dz, DT)
+    _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
+
+
+@triton.jit
+def _wy_write_backward(X, dW, k, G, strength, DT: tl.constexpr):
+    """Through W = X diag(b e^G) K for some of K's columns (with dW's): the contributions to dk
+    (those columns), db and dG, and dW's share of dX, dW (diag(b e^G) K)^T."""
     k_scaled = (strength * tl.exp(G))[:, None] * k
     dk_scaled = _mm(tl.trans(X), dW, DT)
-    dX += _mm(dW, tl.trans(k_scaled), DT)
     dk = (strength * tl.exp(G))[:, None] * dk_scaled
     dstrength = tl.sum(dk_scaled * k * tl.exp(G)[:, None], axis=1)
     dG = tl.sum(dk_scaled * k_scaled, axis=1)
+    return dk, dstrength, dG, _mm(dW, tl.trans(k_scaled), DT)
+
+
+@triton.jit
+def _wy_inverse_backward(X, dX, k, gram, decay_strict, strength, DT: tl.constexpr):
+    """Through X = (I + A)^-1, A = diag(b) strictly_lower(e^(G_i - G_j) K K^T) (`gram` =
+    strictly_lower(e^(G_i - G_j) K K^T)), given the whole dX: the contributions to dk, db and dG."""
     dA = -_mm(tl.trans(X), _mm(dX, tl.trans(X), DT), DT)  # only its strictly lower part is read
     dgram = strength[:, None] * dA * decay_strict
-    dk += _mm(dgram, k, DT) + _mm(tl.trans(dgram), k, DT)
-    dstrength += tl.sum(dA * gram, axis=1)
+    dk = _mm(dgram, k, DT) + _mm(tl.trans(dgram), k, DT)
+    dstrength = tl.sum(dA * gram, axis=1)
     decay_grad = dA * strength[:, None] * gram
-    dG += tl.sum(decay_grad, axis=1) - tl.sum(decay_grad, axis=0)
+    dG = tl.sum(decay_grad, axis=1) - tl.sum(decay_grad, axis=0)
     return dk, dstrength, dG
 
 
 @triton.jit
-def _chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, residual_strength_ptr, X_ptr, U_ptr,
-                       h_ptr, X_residual_ptr, U_residual_ptr, h_residual_ptr, do_ptr, dh_next_ptr, dU_ptr,
-                       dh_next_residual_ptr, dU_residual_ptr, z_ptr, dz_ptr,
-                       dq_ptr, dk_ptr, dv_ptr, dg_ptr, dstrength_ptr, dgamma_ptr, dresidual_strength_ptr,
-                       cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, clip, T, NT, HV, GROUP, DK, DV,
-                       BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-                       DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
-    """Per chunk and value head: dq, dk (per value head; the caller sums a key head's group),
-    dv, dg, the write strength's gradient, and gamma's and R's write strength's."""
-    chunk, head = tl.program_id(0), tl.program_id(1)
+def _store_part(ptr, part_rows, row_ok, head, HV, FIELD: tl.constexpr, x):
+    """What a key tile's program leaves per row for `_chunk_grad_values_kernel`, in a
+    [key tiles, tokens, HV, 5] buffer: its shares of dG (FIELD 0), of dG_prev (1), of db (2), of
+    R's write strength's gradient (3) and of dgamma (4)."""
+    tl.store(ptr + (part_rows * HV + head) * 5 + FIELD, x, mask=row_ok)
+
+
+@triton.jit
+def _load_parts(ptr, rows, row_ok, head, HV, L, KEY_TILES: tl.constexpr, FIELD: tl.constexpr, BC: tl.constexpr):
+    """A row quantity summed over the key tiles' parts (`_store_part`)."""
+    total = tl.zeros([BC], dtype=tl.float32)
+    for part in range(KEY_TILES):
+        total += tl.load(ptr + ((part * L + rows) * HV + head) * 5 + FIELD, mask=row_ok, other=0.0)
+    return total
+
+
+@triton.jit
+def _load_dX_parts(ptr, rows, row_ok, head, HV, L, WHICH: tl.constexpr, KEY_TILES: tl.constexpr,
+                   BC: tl.constexpr):
+    """dX's shares through W (WHICH 0) or W_R (1), summed over the key tiles."""
+    total = tl.zeros([BC, BC], dtype=tl.float32)
+    for part in range(KEY_TILES):
+        total += _load_rows(ptr, (part * 2 + WHICH) * L + rows, row_ok, head, HV, tl.arange(0, BC), BC)
+    return total
+
+
+@triton.jit
+def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr, residual_strength_ptr, X_ptr,
+                            U_ptr, h_ptr, X_residual_ptr, U_residual_ptr, h_residual_ptr, do_ptr, dh_next_ptr,
+                            dU_ptr, dh_next_residual_ptr, dU_residual_ptr, dz_ptr, dq_ptr, dk_ptr, parts_ptr,
+                            dX_parts_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, L, HV,
+                            GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                            DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
+    """Per key tile, chunk and value head: dq, and dk but for its part through X (the delta
+    rule's; `_chunk_grad_values_kernel` adds it). Their accumulators span BK of the key columns,
+    so that a chunk's key tiles run side by side; what needs every key column (the gates'
+    gradients, and dX's share through W = X diag(b e^G) K) is stored per key tile (parts_ptr,
+    dX_parts_ptr) and summed by `_chunk_grad_values_kernel`. Every product with Q K^T or K K^T
+    is linear in them, so each tile takes its own columns' share."""
+    key_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     r = tl.arange(0, BC)
     rows = start + r
     row_ok = rows < end
-    kcols = tl.arange(0, BK)
-    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK).to(tl.float32)
-    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK).to(tl.float32)
+    kcols = key_tile * BK + tl.arange(0, BK)
+    # Kept in the inputs' dtype through the value loop (fewer registers), as the dots take them.
+    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     g = _token_scalars(g_ptr, rows, row_ok, head, HV)
     strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
     G = tl.cumsum(g, axis=0)
     G_last = tl.sum(g, axis=0)
-    if DELTA:
-        X = _load_lower(X_ptr, rows, row_ok, head, HV, BC).to(tl.float32)
-    if RESIDUAL:
-        residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
-        if DELTA:
-            X_residual = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC).to(tl.float32)
     zeros_k, zeros_c = tl.zeros([BC, BK], dtype=tl.float32), tl.zeros([BC, BC], dtype=tl.float32)
-    dq_inter, dq_inter_residual = zeros_k, zeros_k  # scale e^G dO h^T, of S and of R
-    dP, dP_residual = zeros_c, zeros_c              # scale dO U^T, of S and of R
-    dk_state = zeros_k      # U dh'^T summed over both states: the gradient of e^(G_last - G) K
-    dW, dW_residual = zeros_k, zeros_k              # -dU h^T
-    dX, dX_residual = zeros_c, zeros_c              # dU0 (diag(b) V)^T, and R's with r for V
-    dk_pred, dP_pred = zeros_k, zeros_c             # pred's: -dz h^T and -dz U^T
-    dstrength, dresidual_strength = tl.zeros([BC], dtype=tl.float32), tl.zeros([BC], dtype=tl.float32)
+    dq_reads, dq_reads_residual = zeros_k, zeros_k  # dO h^T and dO h_R^T
+    dk_state = zeros_k      # U dh'^T over both states: the gradient of e^(G_last - G) K
+    dW, dW_residual = zeros_k, zeros_k              # -dU h^T, -dU_R h_R^T
+    dk_pred = zeros_k       # pred's: -dz h^T
+    dP, dP_residual, dP_pred = zeros_c, zeros_c, zeros_c  # dO U^T, dO U_R^T, -dz U^T
     decay_grad_rows = tl.zeros([BK], dtype=tl.float32)  # <dh', h> by key row: the gradient of e^(G_last)
     for value_start in range(0, DV, BV):
         vcols = value_start + tl.arange(0, BV)
         h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
-        h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
-        dh_next = tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
-        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
+        dh_next = tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0)
+        do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV)
         if DELTA:
-            U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            dV_scaled = _mm(tl.trans(X), dU, DT)  # the gradient of diag(b) V
-            dW -= _mm(dU, tl.trans(h), DT)
-            dX += _mm(dU, tl.trans(strength[:, None] * v), DT)
+            U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
+            dW -= _mm(_load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV), tl.trans(h), DT)
         else:
-            U = strength[:, None] * v
-            dV_scaled = dU
-        dv = strength[:, None] * dV_scaled
-        dstrength += tl.sum(dV_scaled * v, axis=1)
-        dq_inter += scale * tl.exp(G)[:, None] * _mm(do, tl.trans(h), DT)
-        dP += scale * _mm(do, tl.trans(U), DT)
+            U = strength[:, None] * _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        dq_reads += _mm(do, tl.trans(h), DT)
+        dP += _mm(do, tl.trans(U), DT)
         dk_state += _mm(U, tl.trans(dh_next), DT)
-        decay_grad_rows += tl.sum(dh_next * h, axis=1)
+        decay_grad_rows += tl.sum(dh_next * h.to(tl.float32), axis=1)
         if RESIDUAL:
-            h = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
-            dh_next = tl.load(dh_next_residual_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
-            U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            residual = tl.minimum(tl.maximum(_load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV), -clip), clip)
-            dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            dv += dz
-            dk_pred -= _mm(dz, tl.trans(tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)), DT)
+            # pred = e^(G_prev) K h + P U reads h and U with gradient -dz (zero where clipped)
+            dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
+            dk_pred -= _mm(dz, tl.trans(h), DT)
             dP_pred -= _mm(dz, tl.trans(U), DT)
-            dq_inter_residual += scale * tl.exp(G)[:, None] * _mm(do, tl.trans(h), DT)
-            dP_residual += scale * _mm(do, tl.trans(U_residual), DT)
+            h = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
+            dh_next = tl.load(dh_next_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
+            U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV)
+            dq_reads_residual += _mm(do, tl.trans(h), DT)
+            dP_residual += _mm(do, tl.trans(U_residual), DT)
             dk_state += _mm(U_residual, tl.trans(dh_next), DT)
-            decay_grad_rows += tl.sum(dh_next * h, axis=1)
-            dr_scaled = dU_residual  # the gradient of diag(b_R) r
+            decay_grad_rows += tl.sum(dh_next * h.to(tl.float32), axis=1)
             if DELTA:
-                dr_scaled = _mm(tl.trans(X_residual), dU_residual, DT)
-                dW_residual -= _mm(dU_residual, tl.trans(h), DT)
-                dX_residual += _mm(dU_residual, tl.trans(residual_strength[:, None] * residual), DT)
-            dresidual_strength += tl.sum(dr_scaled * residual, axis=1)
-        _store_rows(dv_ptr, rows, row_ok, head, HV, vcols, DV, dv)
-    dG_last = tl.sum(decay_grad_rows, axis=0) * tl.exp(G_last)
-    qk = _mm(q, tl.trans(k), DT)
+                dW_residual -= _mm(_load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV), tl.trans(h), DT)
+    to_row = scale * tl.exp(G)  # the scaled decay from the chunk's start to each row
     decay = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf")))
-    decay_strict = tl.where(r[:, None] > r[None, :], decay, 0.0)
+    qk = _mm(q, tl.trans(k), DT)  # this key tile's share of Q K^T
+    q, k = q.to(tl.float32), k.to(tl.float32)
+    part_rows = key_tile * L + rows
     if RESIDUAL:
         gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
-        dgamma = tl.sum(dq_inter_residual * q, axis=1) + tl.sum(dP_residual * decay * qk, axis=1)
-        tl.store(dgamma_ptr + rows * HV + head, dgamma, mask=row_ok)
-        dq_inter += gamma[:, None] * dq_inter_residual
-        dqk = dP * decay_strict + gamma[:, None] * dP_residual * decay  # the gradient of Q K^T
+        dq_inter_residual = to_row[:, None] * dq_reads_residual
+        dgamma = tl.sum(dq_inter_residual * q, axis=1) + scale * tl.sum(dP_residual * decay * qk, axis=1)
+        _store_part(parts_ptr, part_rows, row_ok, head, HV, 4, dgamma)
+        dq_inter = to_row[:, None] * dq_reads + gamma[:, None] * dq_inter_residual
+        decay_strict = tl.where(r[:, None] > r[None, :], decay, 0.0)
+        dqk = scale * (dP * decay_strict + gamma[:, None] * dP_residual * decay)  # the gradient of Q K^T
     else:
-        dqk = dP * decay
+        dq_inter = to_row[:, None] * dq_reads
+        dqk = scale * dP * decay
     dG = tl.sum(dq_inter * q, axis=1) + tl.sum(dqk * qk, axis=1) - tl.sum(dqk * qk, axis=0)
     dq = dq_inter + _mm(dqk, k, DT)
-    dk = _mm(tl.trans(dqk), q, DT)
     to_chunk_end = tl.exp(G_last - G)
+    dk = _mm(tl.trans(dqk), q, DT) + to_chunk_end[:, None] * dk_state
     state_grad = tl.sum(dk_state * k, axis=1) * to_chunk_end
-    dk += to_chunk_end[:, None] * dk_state
     dG -= state_grad
-    dG_last += tl.sum(state_grad, axis=0)
-    kk = _mm(k, tl.trans(k), DT)
+    dG_last = tl.sum(decay_grad_rows, axis=0) * tl.exp(G_last) + tl.sum(state_grad, axis=0)
     if RESIDUAL:
         G_prev = G - g
         pred_decay = tl.exp(tl.where(r[:, None] > r[None, :], G_prev[:, None] - G[None, :], float("-inf")))
+        kk = _mm(k, tl.trans(k), DT)  # this key tile's share of K K^T
         dk += tl.exp(G_prev)[:, None] * dk_pred
         dG_prev = tl.sum(dk_pred * k, axis=1) * tl.exp(G_prev)
         dkk = dP_pred * pred_decay
         dk += _mm(dkk, k, DT) + _mm(tl.trans(dkk), k, DT)
         dG_prev += tl.sum(dkk * kk, axis=1)
         dG += dG_prev - tl.sum(dkk * kk, axis=0)
+        _store_part(parts_ptr, part_rows, row_ok, head, HV, 1, dG_prev)
     if DELTA:
-        gram = decay_strict * kk
-        dk_wy, dstrength_wy, dG_wy = _wy_backward(X, dX, dW, k, gram, decay_strict, G, strength, DT)
-        dk += dk_wy
-        dstrength += dstrength_wy
-        dG += dG_wy
+        dk_write, dstrength, dG_write, dX = _wy_write_backward(
+            _load_lower(X_ptr, rows, row_ok, head, HV, BC), dW, k, G, strength, DT)
+        dk += dk_write
+        dG += dG_write
+        _store_part(parts_ptr, part_rows, row_ok, head, HV, 2, dstrength)
+        _store_rows(dX_parts_ptr, key_tile * 2 * L + rows, row_ok, head, HV, r, BC, dX)
         if RESIDUAL:
-            dk_wy, dstrength_wy, dG_wy = _wy_backward(X_residual, dX_residual, dW_residual, k, gram, decay_strict, G,
-                                                      residual_strength, DT)
-            dk += dk_wy
-            dresidual_strength += dstrength_wy
-            dG += dG_wy
-    dG += tl.where(r == BC - 1, dG_last, 0.0)
-    dg = tl.cumsum(dG, axis=0, reverse=True)
-    if RESIDUAL:
-        dg -= dG_prev  # G_prev_t = G_t - g_t
-        tl.store(dresidual_strength_ptr + rows * HV + head, dresidual_strength, mask=row_ok)
+            residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
+            dk_write, dstrength, dG_write, dX = _wy_write_backward(
+                _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC), dW_residual, k, G, residual_strength, DT)
+            dk += dk_write
+            dG += dG_write
+            _store_part(parts_ptr, part_rows, row_ok, head, HV, 3, dstrength)
+            _store_rows(dX_parts_ptr, (key_tile * 2 + 1) * L + rows, row_ok, head, HV, r, BC, dX)
+    # dg is dG's reverse cumulative sum within the chunk: dG_last reaches every row from the last real one.
+    dG += tl.where(r == tl.minimum(end - start, BC) - 1, dG_last, 0.0)
+    _store_part(parts_ptr, part_rows, row_ok, head, HV, 0, dG)
     _store_rows(dq_ptr, rows, row_ok, head, HV, kcols, DK, dq)
     _store_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK, dk)
+
+
+@triton.jit
+def _chunk_grad_values_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X_ptr, X_residual_ptr,
+                              z_ptr, dU_ptr, dU_residual_ptr, dz_ptr, dk_keys_ptr, parts_ptr, dX_parts_ptr,
+                              dk_ptr, dv_ptr, dg_ptr, dstrength_ptr, dgamma_ptr, dresidual_strength_ptr,
+                              cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, clip, T, NT, L, HV, GROUP, DK, DV,
+                              KEY_TILES: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                              DT: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr,
+                              VARLEN: tl.constexpr):
+    """Per chunk and value head, after `_chunk_grad_keys_kernel`: dv, the gates' gradients (the
+    key tiles' parts summed), and for the delta rule dk's part through X = (I + A)^-1 (and X_R),
+    added to the key tiles' dk_keys."""
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    r = tl.arange(0, BC)
+    rows = start + r
+    row_ok = rows < end
+    strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
+    dG = _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 0, BC)
+    dstrength = tl.zeros([BC], dtype=tl.float32)
+    dresidual_strength = tl.zeros([BC], dtype=tl.float32)
+    if DELTA:
+        dstrength += _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 2, BC)
+        X = _load_lower(X_ptr, rows, row_ok, head, HV, BC)
+        dX = _load_dX_parts(dX_parts_ptr, rows, row_ok, head, HV, L, 0, KEY_TILES, BC)
+    if RESIDUAL:
+        residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
+        if DELTA:
+            dresidual_strength += _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 3, BC)
+            X_residual = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
+            dX_residual = _load_dX_parts(dX_parts_ptr, rows, row_ok, head, HV, L, 1, KEY_TILES, BC)
+    for value_start in range(0, DV, BV):
+        vcols = value_start + tl.arange(0, BV)
+        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV)
+        if DELTA:
+            dV_scaled = _mm(tl.trans(X), dU, DT)  # the gradient of diag(b) V
+            dX += _mm(dU, tl.trans(strength[:, None] * v), DT)
+        else:
+            dV_scaled = dU
+        dv = strength[:, None] * dV_scaled
+        dstrength += tl.sum(dV_scaled * v, axis=1)
+        if RESIDUAL:
+            dv += _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
+            residual = tl.minimum(tl.maximum(_load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV), -clip), clip)
+            dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV)
+            dr_scaled = dU_residual  # the gradient of diag(b_R) r
+            if DELTA:
+                dr_scaled = _mm(tl.trans(X_residual), dU_residual, DT)
+                dX_residual += _mm(dU_residual, tl.trans(residual_strength[:, None] * residual), DT)
+            dresidual_strength += tl.sum(dr_scaled * residual, axis=1)
+        _store_rows(dv_ptr, rows, row_ok, head, HV, vcols, DV, dv)
+    if DELTA:
+        kcols = tl.arange(0, BK)
+        k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK).to(tl.float32)
+        G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
+        decay_strict = tl.exp(tl.where(r[:, None] > r[None, :], G[:, None] - G[None, :], float("-inf")))
+        gram = decay_strict * _mm(k, tl.trans(k), DT)
+        dk_inverse, dstrength_inverse, dG_inverse = _wy_inverse_backward(X, dX, k, gram, decay_strict, strength, DT)
+        dk = _load_rows(dk_keys_ptr, rows, row_ok, head, HV, kcols, DK) + dk_inverse
+        dstrength += dstrength_inverse
+        dG += dG_inverse
+        if RESIDUAL:
+            dk_inverse, dstrength_inverse, dG_inverse = _wy_inverse_backward(X_residual, dX_residual, k, gram,
+                                                                             decay_strict, residual_strength, DT)
+            dk += dk_inverse
+            dresidual_strength += dstrength_inverse
+            dG += dG_inverse
+        _store_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK, dk)
+    dg = tl.cumsum(dG, axis=0, reverse=True)
+    if RESIDUAL:
+        dg -= _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 1, BC)  # G_prev_t = G_t - g_t
+        tl.store(dgamma_ptr + rows * HV + head, _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 4, BC),
+                 mask=row_ok)
+        tl.store(dresidual_strength_ptr + rows * HV + head, dresidual_strength, mask=row_ok)
     tl.store(dg_ptr + rows * HV + head, dg, mask=row_ok)
     tl.store(dstrength_ptr + rows * HV + head, dstrength, mask=row_ok)
 
@@ -1034,10 +1138,21 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         run.q, run.k, run.g, read_gate, do, dU, dU_residual, *run.tables, scale, **run.shape, BV=BV, **common,
         num_warps=run.warps)
     common["DELTA"] = run.delta
-    _chunk_state_backward_kernel[(_cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
-        run.q, run.k, run.g, read_gate, run.gamma_write, run.W, run.X_residual, run.W_residual, run.P, run.z, do,
-        dS0, dR0, dh_next, dU, dh_next_residual, dU_residual, dz, layout.cu_seqlens, layout.chunk_offsets, scale,
-        clip, **run.shape, BV=run.state_tile(), **common, num_warps=run.warps, num_stages=run.backward_stages)
+
+    def reverse_pass(dstates, dh_next, dU, W, gated_read, pred):
+        _chunk_state_backward_kernel[(_cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
+            run.q, run.k, run.g, read_gate, W, do, dz, dstates, dh_next, dU, layout.cu_seqlens,
+            layout.chunk_offsets, scale, **run.shape, BV=run.state_tile(), BC=chunk_size, BK=run.BK, DT=run.DT,
+            DELTA=run.delta, GATED_READ=gated_read, PRED=pred, VARLEN=layout.varlen, num_warps=run.warps,
+            num_stages=run.backward_stages)
+
+    if residual:  # R's pass first: its gradient reaches S's through pred (dz), never the other way
+        reverse_pass(dR0, dh_next_residual, dU_residual, run.W_residual, gated_read=True, pred=False)
+        _chunk_residual_grad_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
+            run.gamma_write, run.X_residual, run.P, run.z, dU_residual, dz, dU, *run.tables, clip, layout.T,
+            layout.NT, HV, Dv, BC=chunk_size, BV=BV, DT=run.DT, DELTA=run.delta, VARLEN=layout.varlen,
+            num_warps=run.warps)
+    reverse_pass(dS0, dh_next, dU, run.W, gated_read=False, pred=residual)
     # dq, dk and dv are stored in their inputs' dtypes (the one rounding a cast would make), but dq
     # and dk in fp32 where a key head serves several value heads: their shares are summed first.
     grouped = HV > H
@@ -1046,18 +1161,21 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     dv = torch.empty(L, HV, Dv, device=q.device, dtype=v.dtype)
     dg, dbeta = torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)
     dgamma, dgamma_write = (torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)) if residual else (dg, dg)
-    # Value tiles of 64 for the delta rule, 32 for the additive one: the kernel alone on an H200 at
-    # B4 x T4096, H8, D128 took 1.52 against 1.74 ms for rla, 0.35 against 0.37 for sgla; gdn
-    # the same with both, rdn 3.1 against 3.4 ms the other way round.
-    grad_tile = min(run.BV_full, 64 if run.delta else 32)
-    _chunk_grad_kernel[(layout.num_chunks, HV)](
+    # The key tiles' programs: dq, and dk but for X's part (fp32 then, for the values' kernel to add it).
+    key_tile = min(run.BK, 64)
+    key_tiles = _cdiv(Dk, key_tile)
+    parts = torch.empty(key_tiles, L, HV, 5, **f32)
+    dX_parts = torch.empty(key_tiles, 2, L, HV, chunk_size, **f32) if run.delta else parts
+    dk_keys = torch.empty(L, HV, Dk, **f32) if run.delta else dk
+    common["BV"] = min(run.BV_full, 64)
+    _chunk_grad_keys_kernel[(key_tiles, layout.num_chunks, HV)](
         run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
-        do, dh_next, dU, dh_next_residual, dU_residual, run.z, dz, dq, dk, dv, dg, dbeta, dgamma,
-        dgamma_write, *run.tables, scale, clip, **run.shape, BV=grad_tile, **common,
-        # A dozen chunk-sized accumulators: more warps, fewer spilled registers. One stage: multi-
-        # buffering the value loop's dozen loads needs more shared memory than an H200 has (400 KB
-        # at value tiles of 64; at 32 two stages would fit, not yet timed).
-        num_warps=8, num_stages=1)
+        do, dh_next, dU, dh_next_residual, dU_residual, dz, dq, dk_keys, parts, dX_parts, *run.tables, scale,
+        **run.shape, L=L, **{**common, "BK": key_tile}, num_warps=8, num_stages=2)
+    _chunk_grad_values_kernel[(layout.num_chunks, HV)](
+        run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dU, dU_residual, dz, dk_keys,
+        parts, dX_parts, dk, dv, dg, dbeta, dgamma, dgamma_write, *run.tables, clip, **run.shape, L=L,
+        KEY_TILES=key_tiles, **common, num_warps=8, num_stages=2)
     group = lambda x: x.view(L, H, HV // H, Dk).sum(2) if grouped else x  # noqa: E731  a key head's value heads
     shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
     grads = (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta))

@@ -182,11 +182,12 @@ def test_additive_states_split_into_segments_match_reference(name, update, resid
         monkeypatch.setattr(module, "PARALLEL_PROGRAMS", programs)  # 4 programs run a sequence's tiles here
         monkeypatch.setattr(module, "MIN_SEGMENT_CHUNKS", 1)
         monkeypatch.setattr(module._ChunkRun, "advance_in_segments",
-                            lambda run, *args, original=module._ChunkRun.advance_in_segments:
-                            split.append(args[-1]) or original(run, *args))
+                            lambda run, initial, segments, *writes, original=module._ChunkRun.advance_in_segments:
+                            split.append(segments) or original(run, initial, segments, *writes))
     x = on_device(make_inputs(2, 330, 2, 2, 32, 16, residual, kaczmarz=kaczmarz))
     labels, ref = outputs_and_gradients(x, update, residual, None, "recurrent")
     _, got = outputs_and_gradients(x, update, residual, None, "triton")
-    assert split == [segments, segments]  # the forward, and the backward's recompute
+    # S's pass and R's, in the forward and in the backward's recompute
+    assert split == [segments] * (4 if residual else 2)
     for label, a, b in zip(labels, got, ref):
         assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"

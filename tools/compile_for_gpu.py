@@ -41,26 +41,27 @@ FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "segment_d
                  "dresidual_strength_ptr")
 
 
-def launches(BK, BV_full, delta, residual, fp32):
+def launches(BK, BV_full, residual, fp32):
     """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
     warps = 4 if BK <= 128 else 8
-    state_tile = min(BV_full, 32 if residual else 64)
-    stages, backward_stages = kernels.pipeline_stages(fp32, BK, residual)
+    state_tile = min(BV_full, 64)
+    stages, backward_stages = kernels.pipeline_stages(fp32, BK)
     return [
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK), 2, 3),
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
-        # The forward's state kernel, and with the residual state its backward recompute (storing z).
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, STORE_Z=store_z, S_FROM_H=False), warps,
-           stages) for store_z in ((False, True) if residual else (False,))],
-        # Few long sequences of the additive rule: R's pass in segments (reading S from h), and
-        # the segments' join.
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, STORE_Z=store_z, S_FROM_H=True), warps,
-           stages) for store_z in ((False, True) if residual else ())],
+        (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
+        # The residual rules' writes of R: the forward's, and the backward's recompute (storing z).
+        *[(kernels._chunk_residual_writes_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STORE_Z=store_z), warps,
+           stages) for store_z in (False, True)],
         (kernels._chunk_state_join_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
-        (kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, backward_stages),
-        (kernels._chunk_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64 if delta else 32)), 8, 1),
+        # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz.
+        *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile, GATED_READ=gated, PRED=pred),
+           warps, backward_stages) for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
+        (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
+        (kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=min(BV_full, 64)), 8, 2),
+        (kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64)), 8, 2),
     ]
 
 
@@ -69,7 +70,7 @@ def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages, head_si
     of 16 marked so, integers equal to 1 made constants), for B2 x T4096, H = HV = 16: the
     specialisation changes the tiles' layouts, and with them the shared memory."""
     params = list(inspect.signature(fn.fn).parameters)
-    sizes = dict(T=4096, NT=64, HV=16, GROUP=1, DK=head_size, DV=head_size)
+    sizes = dict(T=4096, NT=64, L=8192, HV=16, GROUP=1, DK=head_size, DV=head_size)
     constexprs = {**{k: v for k, v in sizes.items() if v == 1 and k in params}, **constexprs}
     signature = {}
     for name in params:
@@ -171,17 +172,20 @@ def main():
         for head_size in [] if args.layers_only else args.head_sizes:
             for delta in (True, False):
                 for residual in (False, True):
-                    for fn, constexprs, warps, stages in launches(head_size, head_size, delta, residual, dtype == "fp32"):
+                    for fn, constexprs, warps, stages in launches(head_size, head_size, residual, dtype == "fp32"):
                         params = inspect.signature(fn.fn).parameters
                         flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
                         if not delta and fn is kernels._chunk_wy_kernel or \
                                 not (delta or residual) and fn is kernels._chunk_gram_kernel or \
-                                delta and (fn is kernels._chunk_state_join_kernel or constexprs.get("S_FROM_H")):
+                                delta and fn is kernels._chunk_state_join_kernel or \
+                                not residual and fn in (kernels._chunk_residual_writes_kernel,
+                                                        kernels._chunk_residual_grad_kernel):
                             continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
                         label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
                                  f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
-                                 f"{' s_from_h' if constexprs.get('S_FROM_H') else ''}")
+                                 f"{' gated_read' if constexprs.get('GATED_READ') else ''}"
+                                 f"{' pred' if constexprs.get('PRED') else ''}")
                         start = time.time()
                         try:
                             compiled = compile_variant(fn, constexprs, pointer_type, warps, stages, head_size)
