@@ -182,6 +182,15 @@ def _load_rows(ptr, rows, row_ok, head, heads, cols, width):
 
 
 @triton.jit
+def _load_columns(ptr, rows, row_ok, head, heads, cols, width):
+    """x[rows, head, cols] transposed, [cols, rows]: loaded so, it is a dot's left operand as it
+    lies in shared memory; transposing a loaded tile in registers costs the sequential loops
+    (the forward state kernel at B4xT4096 H8 D128: gdn 145 -> 92 us, sGLA 116 -> 68 on an H200)."""
+    offsets = (rows * heads + head)[None, :] * width + cols[:, None]
+    return tl.load(ptr + offsets, mask=row_ok[None, :] & (cols < width)[:, None], other=0.0)
+
+
+@triton.jit
 def _store_rows(ptr, rows, row_ok, head, heads, cols, width, x):
     offsets = (rows * heads + head)[:, None] * width + cols[None, :]
     tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < width)[None, :])
@@ -417,7 +426,7 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
         row_ok = rows < eos
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
         G_last = tl.sum(g, axis=0)  # padded rows add 0: the last real token's cumulative decay
-        k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+        k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         if DELTA:
             W = _load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)
             U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32) - _mm(W, S, DT)
@@ -425,8 +434,7 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
         else:
             U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
                 _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        k_to_chunk_end = tl.trans(tl.exp(G_last - tl.cumsum(g, axis=0))[:, None] * k)
-        S = tl.exp(G_last) * S + _mm(k_to_chunk_end, U, DT)
+        S = tl.exp(G_last) * S + _mm(k_t, tl.exp(G_last - tl.cumsum(g, axis=0))[:, None] * U, DT)
         chunk += 1
     tl.store(S_ptr + state_offsets, S, mask=tile_ok)
 
@@ -818,19 +826,20 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, W_ptr, do_ptr, 
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
         G = tl.cumsum(g, axis=0)
         G_last = tl.sum(g, axis=0)
-        q_decayed_t = tl.trans(tl.exp(G)[:, None] * _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP,
-                                                                kcols, DK))
         k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
         if GATED_READ:
             do = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
         dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) + tl.exp(G_last - G)[:, None] * _mm(k, dh, DT)
         _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
-        dh = tl.exp(G_last) * dh + scale * _mm(q_decayed_t, do, DT)
+        q_t = _load_columns(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+        dh = tl.exp(G_last) * dh + scale * _mm(q_t, tl.exp(G)[:, None] * do, DT)
         if PRED:
-            dh -= _mm(tl.trans(tl.exp(G - g)[:, None] * k), _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV), DT)
+            dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
+            dh -= _mm(_load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK),
+                      tl.exp(G - g)[:, None] * dz, DT)
         if DELTA:
-            dh -= _mm(tl.trans(_load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)), dU, DT)
+            dh -= _mm(_load_columns(W_ptr, rows, row_ok, head, HV, kcols, DK), dU, DT)
     tl.store(dS_ptr + state_offsets, dh, mask=tile_ok)
 
 
