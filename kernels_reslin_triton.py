@@ -153,6 +153,9 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 
 CHUNK_SIZE = 64
 BLOCK = 16  # T^-1 is built from BLOCK x BLOCK blocks: CHUNK_SIZE = 4 * BLOCK
+# One warp per chunk for T^-1 and P: its sequential block inverses leave more warps idle (on the
+# H200 at B4xT4096 H8 D128, gdn's gram kernel took 41 us on 1 warp, 87 on 2, 164 on 4).
+GRAM_WARPS = 1
 
 # The additive rule's state recurrence over few long sequences is split into segments (see
 # _ChunkRun.state_segments) until about PARALLEL_PROGRAMS programs run it (~4 per SM of an H200),
@@ -593,15 +596,30 @@ class _ChunkLayout:
             self.cu_seqlens = self.chunk_offsets = self.chunk_seq = torch.empty(1, device=device, dtype=torch.int64)
 
 
-def pipeline_stages(fp32, BK):
+def pipeline_stages(fp32, BK, delta, residual):
     """Software-pipelining depth (num_stages) of the sequential state kernel and the output
-    kernel, and of the reverse state kernel: as deep as an H200's 227 KB of shared memory allows.
-    Measured with tools/compile_for_gpu.py (bf16, tiles as launched): the reverse kernel needs
-    115 KB at D = 128 with 2 stages, 189 KB with 3 (S's pass of the residual rules), and 230 KB at
-    D = 256 with 2, too close to the limit. Pipelined fp32 tiles take twice the memory of bf16 ones."""
+    kernel, and of the reverse state kernel, within an H200's 227 KB of shared memory (measured
+    with tools/compile_for_gpu.py, bf16, tiles as launched: the reverse kernel needs 115 KB at
+    D = 128 with 2 stages, 189 KB with 3 for S's pass of the residual rules, 230 KB at D = 256
+    with 2, too close). Timed on the H200 (kernel_variants, H8 D128): the forward with 2 stages
+    instead of 3 was slower at B4xT4096 (gdn's state kernel 92 -> 125 us); the reverse kernel with
+    3 stages gained for gdn only (186 -> 152 us), sGLA at B8xT2048 lost (140 -> 192 us), rdn's
+    did not fit. Pipelined fp32 tiles take twice the memory of bf16 ones."""
     if fp32:
         return 1, 1
-    return 3, (1 if BK > 128 else 2)
+    if BK > 128:  # the state kernel's K^T, W and S tiles need 263 KB at 3 stages
+        return 2, 1
+    return 3, (3 if delta and not residual else 2)
+
+
+def grad_keys_launch(delta, residual):
+    """num_warps and num_stages of `_chunk_grad_keys_kernel`, timed on the H200 (H8 D128): sGLA,
+    with the fewest accumulators, ran 301 -> 211 us on 4 warps, where the others lost (gdn 378 ->
+    388, rdn 976 -> 1,505); 3 stages gained for gdn (378 -> 358 us) and did not fit with the
+    residual state (233-299 KB)."""
+    if not (delta or residual):
+        return 4, 2
+    return 8, (3 if delta and not residual else 2)
 
 
 class _ChunkRun:
@@ -638,7 +656,7 @@ class _ChunkRun:
         self.BK, self.BV_full = max(16, _next_power_of_2(Dk)), max(16, _next_power_of_2(Dv))
         self.DT = TRITON_DTYPES[q.dtype]
         self.warps = 4 if self.BK <= 128 else 8
-        self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK)
+        self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK, delta, residual)
         common = dict(BC=chunk_size, BK=self.BK, DT=self.DT, VARLEN=layout.varlen)
         if delta:
             self.X, self.W, U0, self.U = (empty(L, HV, chunk_size), empty(L, HV, Dk), empty(L, HV, Dv),
@@ -650,7 +668,7 @@ class _ChunkRun:
         if delta or residual:
             _chunk_gram_kernel[(layout.num_chunks, HV)](
                 k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, layout.T, layout.NT,
-                HV, HV // H, Dk, BLOCK=BLOCK, DELTA=delta, RESIDUAL=residual, **common, num_warps=2)
+                HV, HV // H, Dk, BLOCK=BLOCK, DELTA=delta, RESIDUAL=residual, **common, num_warps=GRAM_WARPS)
         if delta:
             _chunk_wy_kernel[(layout.num_chunks, HV)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
@@ -727,10 +745,12 @@ class _ChunkRun:
             num_warps=self.warps, num_stages=self.stages)
         return final
 
-    def state_tile(self):
+    def state_tile(self, reverse=False):
         """Value columns a program of the sequential kernels owns: few sequence-heads leave SMs
-        idle, so narrower tiles then."""
-        wide = self.layout.num_sequences * self.shape["HV"] >= 128
+        idle, so narrower tiles then. Timed on the H200 (D128) at 64 sequence-heads (B8xT2048 H8),
+        tiles of 64 made the forward state kernel faster (gdn 95 -> 68 us, rdn's two passes 193 ->
+        134) and the reverse one slower (gdn 184 -> 200, rdn 422 -> 541); at 32 both lost."""
+        wide = self.layout.num_sequences * self.shape["HV"] >= (128 if reverse else 64)
         return min(self.BV_full, 64 if wide else 32)
 
     def output(self, scale):
@@ -1149,9 +1169,9 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     common["DELTA"] = run.delta
 
     def reverse_pass(dstates, dh_next, dU, W, gated_read, pred):
-        _chunk_state_backward_kernel[(_cdiv(Dv, run.state_tile()), layout.num_sequences * HV)](
+        _chunk_state_backward_kernel[(_cdiv(Dv, run.state_tile(reverse=True)), layout.num_sequences * HV)](
             run.q, run.k, run.g, read_gate, W, do, dz, dstates, dh_next, dU, layout.cu_seqlens,
-            layout.chunk_offsets, scale, **run.shape, BV=run.state_tile(), BC=chunk_size, BK=run.BK, DT=run.DT,
+            layout.chunk_offsets, scale, **run.shape, BV=run.state_tile(reverse=True), BC=chunk_size, BK=run.BK, DT=run.DT,
             DELTA=run.delta, GATED_READ=gated_read, PRED=pred, VARLEN=layout.varlen, num_warps=run.warps,
             num_stages=run.backward_stages)
 
@@ -1177,10 +1197,11 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     dX_parts = torch.empty(key_tiles, 2, L, HV, chunk_size, **f32) if run.delta else parts
     dk_keys = torch.empty(L, HV, Dk, **f32) if run.delta else dk
     common["BV"] = min(run.BV_full, 64)
+    keys_warps, keys_stages = grad_keys_launch(run.delta, residual)
     _chunk_grad_keys_kernel[(key_tiles, layout.num_chunks, HV)](
         run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
         do, dh_next, dU, dh_next_residual, dU_residual, dz, dq, dk_keys, parts, dX_parts, *run.tables, scale,
-        **run.shape, L=L, **{**common, "BK": key_tile}, num_warps=8, num_stages=2)
+        **run.shape, L=L, **{**common, "BK": key_tile}, num_warps=keys_warps, num_stages=keys_stages)
     _chunk_grad_values_kernel[(layout.num_chunks, HV)](
         run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dU, dU_residual, dz, dk_keys,
         parts, dX_parts, dk, dv, dg, dbeta, dgamma, dgamma_write, *run.tables, clip, **run.shape, L=L,

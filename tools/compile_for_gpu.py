@@ -41,13 +41,13 @@ FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "segment_d
                  "dresidual_strength_ptr")
 
 
-def launches(BK, BV_full, residual, fp32):
+def launches(BK, BV_full, delta, residual, fp32):
     """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
     warps = 4 if BK <= 128 else 8
     state_tile = min(BV_full, 64)
-    stages, backward_stages = kernels.pipeline_stages(fp32, BK)
+    stages, backward_stages = kernels.pipeline_stages(fp32, BK, delta, residual)
     return [
-        (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK), 2, 3),
+        (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK), kernels.GRAM_WARPS, 3),
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
         (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
         # The residual rules' writes of R: the forward's, and the backward's recompute (storing z).
@@ -60,7 +60,8 @@ def launches(BK, BV_full, residual, fp32):
         *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile, GATED_READ=gated, PRED=pred),
            warps, backward_stages) for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
         (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
-        (kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=min(BV_full, 64)), 8, 2),
+        (kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=min(BV_full, 64)),
+         *kernels.grad_keys_launch(delta, residual)),
         (kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64)), 8, 2),
     ]
 
@@ -172,7 +173,7 @@ def main():
         for head_size in [] if args.layers_only else args.head_sizes:
             for delta in (True, False):
                 for residual in (False, True):
-                    for fn, constexprs, warps, stages in launches(head_size, head_size, residual, dtype == "fp32"):
+                    for fn, constexprs, warps, stages in launches(head_size, head_size, delta, residual, dtype == "fp32"):
                         params = inspect.signature(fn.fn).parameters
                         flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
