@@ -1168,10 +1168,12 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         num_warps=run.warps)
     common["DELTA"] = run.delta
 
+    reverse_tile = run.state_tile(reverse=True)
+
     def reverse_pass(dstates, dh_next, dU, W, gated_read, pred):
-        _chunk_state_backward_kernel[(_cdiv(Dv, run.state_tile(reverse=True)), layout.num_sequences * HV)](
+        _chunk_state_backward_kernel[(_cdiv(Dv, reverse_tile), layout.num_sequences * HV)](
             run.q, run.k, run.g, read_gate, W, do, dz, dstates, dh_next, dU, layout.cu_seqlens,
-            layout.chunk_offsets, scale, **run.shape, BV=run.state_tile(reverse=True), BC=chunk_size, BK=run.BK, DT=run.DT,
+            layout.chunk_offsets, scale, **run.shape, BV=reverse_tile, BC=chunk_size, BK=run.BK, DT=run.DT,
             DELTA=run.delta, GATED_READ=gated_read, PRED=pred, VARLEN=layout.varlen, num_warps=run.warps,
             num_stages=run.backward_stages)
 

@@ -173,7 +173,8 @@ def main():
         for head_size in [] if args.layers_only else args.head_sizes:
             for delta in (True, False):
                 for residual in (False, True):
-                    for fn, constexprs, warps, stages in launches(head_size, head_size, delta, residual, dtype == "fp32"):
+                    for fn, constexprs, warps, stages in launches(head_size, head_size, delta, residual,
+                                                                  dtype == "fp32"):
                         params = inspect.signature(fn.fn).parameters
                         flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
