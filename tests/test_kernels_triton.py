@@ -132,7 +132,9 @@ def test_decode_step_checks_its_state():
         reslin_decode_step(*(torch.cat([a, a], 1) for a in args), state=(x["S0"], None))
 
 
-GRAD_CASES = CHUNK_CASES + [(2, 1, 2, 2, 16, 16, None)]  # and one token
+# and one token; and head sizes past one tile of the gradient kernels (64 key columns, 64 value
+# columns), so that they sum over key tiles and loop over value tiles as at D = 128 on a GPU.
+GRAD_CASES = CHUNK_CASES + [(2, 1, 2, 2, 16, 16, None), (1, 70, 1, 1, 80, 96, None)]
 
 
 def outputs_and_gradients(x, update, residual, cu_seqlens, backend):
@@ -152,7 +154,7 @@ def outputs_and_gradients(x, update, residual, cu_seqlens, backend):
     return labels, outputs + list(torch.autograd.grad(loss, [leaves[n] for n in names]))
 
 
-@pytest.mark.parametrize("case", GRAD_CASES, ids=["batch", "varlen", "one_token"])
+@pytest.mark.parametrize("case", GRAD_CASES, ids=["batch", "varlen", "one_token", "wide"])
 @pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
 def test_chunked_backward_matches_reference(name, update, residual, kaczmarz, case):
     """Gradients of every input and initial state through the Triton backward against autograd
