@@ -125,7 +125,7 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 # Chunked forward (DESIGN.md section 1, "Chunked form"). The tokens of every sequence lie one
 # after another ([L tokens, heads, dim]); chunks of BC tokens never straddle two sequences, and
 # the rows of a short tail chunk load as zeros (g = 0, strength b = 0, k = 0), which neither
-# decay nor write any state. Four kernels (two for sGLA), each serving every rule:
+# decay nor write any state. Five kernels (two for sGLA), each serving every rule:
 #   _chunk_gram_kernel (delta rule, residual rules), every chunk at once, from K K^T by 16 x 16
 #       blocks (few warps suit them): T^-1, T = I + diag(b) strictly_lower(e^(G_i - G_j) K K^T),
 #       for S and, with the residual state, for R; and the residual rules' prediction operator
@@ -135,15 +135,18 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 #   _chunk_state_kernel, chunk after chunk for one (sequence, value head, value tile): stores the
 #       chunk-start states h and the chunk's writes U = U0 - W h (the additive rule writes
 #       U = diag(b) V) and moves on to S = e^(G_last) h + (e^(G_last - G) K)^T U. The residual
-#       rules advance R in the same loop: pred = e^(G_prev) K h + P U and the clipped residual
-#       never leave registers, only R's writes and chunk-start states are stored;
+#       rules run it twice, S's pass then R's, one state each;
+#   _chunk_residual_writes_kernel (residual rules), every chunk at once, between the two passes:
+#       pred = e^(G_prev) K h + P U from S's chunk-start states, and R's writes from the clipped
+#       residual clip(v - pred) (for the delta rule, R's U0 = T_R^-1 diag(b_R) r);
 #   _chunk_output_kernel, every chunk at once: o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U,
 #       for the residual rules the exclusive base read plus gamma times R's read.
 # Few long sequences of the additive rule (sGLA, RLA) leave most SMs idle along the state loop:
-# it runs on segments of each sequence side by side from zero states, and
-# _chunk_state_join_kernel adds each segment's true start state, decayed, to its chunk-start
-# states (S is linear in its start state); RLA then runs R's loop the same way, reading S from
-# the joined h (_ChunkRun.state_segments says when, and why not for the delta rule).
+# it runs on segments of each sequence side by side from zero states,
+# _chunk_segment_starts_kernel carries the segments' end states into their true start states,
+# and _chunk_state_join_kernel adds them, decayed, to every chunk-start state at once (S is
+# linear in its start state); RLA then runs R's pass the same way, its writes read from the
+# joined h (_ChunkRun.state_segments says when, and why not for the delta rule).
 # Precision: states, decays and the inverse's blocks in fp32 (merged with tf32 dots for bf16/fp16
 # inputs); the large dots take their operands in the input dtype (bf16/fp16 tensor cores, fp32
 # accumulation); everything is exact fp32 ("ieee") for fp32 inputs. T^-1, P, W, U0, U and h are
@@ -158,11 +161,11 @@ BLOCK = 16  # T^-1 is built from BLOCK x BLOCK blocks: CHUNK_SIZE = 4 * BLOCK
 GRAM_WARPS = 1
 
 # The additive rule's state recurrence over few long sequences is split into segments (see
-# _ChunkRun.state_segments) until about PARALLEL_PROGRAMS programs run it (~4 per SM of an H200),
+# _ChunkRun.state_segments) until about PARALLEL_PROGRAMS programs run it (~8 per SM of an H200),
 # in segments of at least MIN_SEGMENT_CHUNKS chunks, when that makes at least MIN_SEGMENTS.
-PARALLEL_PROGRAMS = 512
+PARALLEL_PROGRAMS = 1024
 MIN_SEGMENT_CHUNKS = 16
-MIN_SEGMENTS = 8
+MIN_SEGMENTS = 16
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -482,38 +485,39 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
 
 
 @triton.jit
-def _chunk_state_join_kernel(g_ptr, h_ptr, S0_ptr, ends_ptr, segment_decay_ptr, S_ptr, cu_seqlens_ptr,
-                             chunk_offsets_ptr, SEGMENTS, HV, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
-                             BV: tl.constexpr, DT: tl.constexpr):
-    """Joins the segments that `_chunk_state_kernel` ran from zero states (additive rule: S, or R
-    once S is joined). The state is linear in its start state, so the true chunk-start state of
-    chunk c of a segment is h_c + e^(G from the segment's start to c) S_start, with S_start =
-    e^(G over the segment before) S_start(before) + that segment's end state, from the row's
-    initial state on. The row's last segment writes the final state."""
-    value_tile, segment, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row, part = segment // SEGMENTS, segment % SEGMENTS
+def _chunk_segment_starts_kernel(S0_ptr, ends_ptr, segment_decay_ptr, starts_ptr, S_ptr, SEGMENTS, HV, DK, DV,
+                                 BK: tl.constexpr, BV: tl.constexpr):
+    """The start states of the segments that `_chunk_state_kernel` ran from zero states (additive
+    rule: S, or R once S is joined), and the final states. The state is linear in its start state,
+    so a segment starts from e^(G over the segment before) S_start(before) + that segment's end
+    state, from the row's initial state on; the last segment's successor is the final state."""
+    value_tile, row, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
     state_offsets, tile_ok = _state_tile(row * HV + head, kcols, vcols, DK, DV)
     S = tl.load(S0_ptr + state_offsets, mask=tile_ok, other=0.0)
-    for before in range(row * SEGMENTS, segment):
-        end_offsets, _ = _state_tile(before * HV + head, kcols, vcols, DK, DV)
-        S = tl.exp(tl.load(segment_decay_ptr + before * HV + head)) * S + \
-            tl.load(ends_ptr + end_offsets, mask=tile_ok, other=0.0)
-    bos, eos, chunk = _sequence_bounds(segment, cu_seqlens_ptr, chunk_offsets_ptr, 0, 0, True)
-    tile = kcols[:, None] * DV + vcols[None, :]
-    r = tl.arange(0, BC)
-    G = 0.0
-    for start in range(bos, eos, BC):
-        h_offsets = (chunk * HV + head) * DK * DV + tile
-        h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
-        tl.store(h_ptr + h_offsets, (h + tl.exp(G) * S).to(DT), mask=tile_ok)
-        rows = start + r
-        G += tl.sum(_token_scalars(g_ptr, rows, rows < eos, head, HV), axis=0)
-        chunk += 1
-    if part == SEGMENTS - 1:
-        end_offsets, _ = _state_tile(segment * HV + head, kcols, vcols, DK, DV)
-        tl.store(S_ptr + state_offsets, tl.exp(G) * S + tl.load(ends_ptr + end_offsets, mask=tile_ok, other=0.0),
-                 mask=tile_ok)
+    for segment in range(row * SEGMENTS, (row + 1) * SEGMENTS):
+        segment_offsets, _ = _state_tile(segment * HV + head, kcols, vcols, DK, DV)
+        tl.store(starts_ptr + segment_offsets, S, mask=tile_ok)
+        S = tl.exp(tl.load(segment_decay_ptr + segment * HV + head)) * S + \
+            tl.load(ends_ptr + segment_offsets, mask=tile_ok, other=0.0)
+    tl.store(S_ptr + state_offsets, S, mask=tile_ok)
+
+
+@triton.jit
+def _chunk_state_join_kernel(h_ptr, starts_ptr, chunk_decay_ptr, NT, SEGMENT_CHUNKS, SEGMENTS, HV, DK, DV,
+                             BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+    """Every chunk at once: a chunk-start state of a segment run from zero gains the segment's
+    start state decayed to the chunk, h_c + e^(G from the segment's start to c) S_start."""
+    value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row, in_row = chunk // NT, chunk % NT
+    segment = row * SEGMENTS + in_row // SEGMENT_CHUNKS
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    h_offsets, tile_ok = _state_tile(chunk.to(tl.int64) * HV + head, kcols, vcols, DK, DV)
+    start_offsets, _ = _state_tile(segment * HV + head, kcols, vcols, DK, DV)
+    decay = tl.exp(tl.load(chunk_decay_ptr + chunk.to(tl.int64) * HV + head))
+    h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0).to(tl.float32)
+    S = tl.load(starts_ptr + start_offsets, mask=tile_ok, other=0.0)
+    tl.store(h_ptr + h_offsets, (h + decay * S).to(DT), mask=tile_ok)
 
 
 @triton.jit
@@ -612,14 +616,23 @@ def pipeline_stages(fp32, BK, delta, residual):
     return 3, (3 if delta and not residual else 2)
 
 
-def grad_keys_launch(delta, residual):
-    """num_warps and num_stages of `_chunk_grad_keys_kernel`, timed on the H200 (H8 D128): sGLA,
-    with the fewest accumulators, ran 301 -> 211 us on 4 warps, where the others lost (gdn 378 ->
-    388, rdn 976 -> 1,505); 3 stages gained for gdn (378 -> 358 us) and did not fit with the
-    residual state (233-299 KB)."""
+def grad_keys_launch(delta, residual, BV_full):
+    """num_warps, num_stages and value tile of `_chunk_grad_keys_kernel`, timed on the H200 (H8
+    D128, session 10, against 8 warps, 2 stages, tiles of 64): sGLA, with the fewest accumulators,
+    ran 301 -> 211 us on 4 warps (the others lost: gdn 378 -> 388, rdn 976 -> 1,505), and 210 ->
+    182 with 3 stages over value tiles of 32; rdn 974 -> 862 with 3 stages over tiles of 32 (its
+    shared memory 176 -> 98 KB at 2 stages); gdn gained from 3 stages (378 -> 358) and lost
+    from tiles of 32 (360 -> 381), as did RLA (577 -> 631, 579 with 3 stages)."""
     if not (delta or residual):
-        return 4, 2
-    return 8, (3 if delta and not residual else 2)
+        return 4, 3, min(BV_full, 32)
+    if delta and residual:
+        return 8, 3, min(BV_full, 32)
+    return 8, (3 if delta else 2), min(BV_full, 64)
+
+
+# num_warps of `_chunk_grad_values_kernel`: on 4 instead of 8 (H200, H8 D128, session 10) gdn's
+# ran 263 -> 153 us and rdn's 540 -> 384; sGLA's and RLA's did not move.
+GRAD_VALUES_WARPS = 4
 
 
 class _ChunkRun:
@@ -715,8 +728,9 @@ class _ChunkRun:
             return 1
         programs = _cdiv(self.shape["DV"], self.state_tile()) * layout.num_sequences * self.shape["HV"]
         segments = min(PARALLEL_PROGRAMS // programs, layout.NT // MIN_SEGMENT_CHUNKS)
-        # The join passes over h once more: on an H200 that paid at 8 segments (sGLA and RLA 20%
-        # faster at B1xT32768, H16 D128), not at 4 (30% slower at B2xT8192).
+        # The join passes over h once more. On an H200 (H16 D128, session 10) 16 segments paid at
+        # B1xT32768 (against 8: sGLA 768 -> 750 us, RLA 1,861 -> 1,819), 8 did not at B2xT8192
+        # (sGLA 276 -> 402 us, RLA 717 -> 967).
         return segments if segments >= MIN_SEGMENTS else 1
 
     def advance_in_segments(self, initial, segments, v, strength, W, U0, U, h):
@@ -733,16 +747,22 @@ class _ChunkRun:
         cu_seqlens = torch.cat([starts, starts.new_full((1,), B * T)])
         chunk_offsets = (rows * NT + parts * segment_chunks).flatten()
         padded = torch.nn.functional.pad(self.g.view(B, T, HV), (0, 0, 0, segments * segment_chunks * BC - T))
-        # Each segment's log decay, in fp32 whatever g's dtype (the join kernel exponentiates it).
-        segment_decay = padded.view(B, segments, segment_chunks * BC, HV).sum(2, dtype=torch.float32)
+        # Log decays in fp32 whatever g's dtype (the kernels exponentiate them): each chunk's, each
+        # segment's, and from a segment's start to each of its chunks' starts.
+        chunk_decay = padded.view(B, segments, segment_chunks, BC, HV).sum(3, dtype=torch.float32)
+        segment_decay = chunk_decay.sum(2)
+        to_chunk = (chunk_decay.cumsum(2) - chunk_decay).view(B, segments * segment_chunks, HV)[:, :NT].contiguous()
         ends = torch.zeros(B * segments, *initial.shape[1:], device=initial.device, dtype=torch.float32)
         self.state_pass(ends, cu_seqlens, chunk_offsets, B * segments, True, v, strength, W, U0, U, h)
-        initial = initial.contiguous()
-        final = torch.empty_like(initial)  # not the initial state: the join reads it while the last segments write
-        _chunk_state_join_kernel[(_cdiv(self.shape["DV"], self.state_tile()), B * segments, HV)](
-            self.g, h, initial, ends, segment_decay, final, cu_seqlens, chunk_offsets, segments, HV,
-            self.shape["DK"], self.shape["DV"], BC=BC, BK=self.BK, BV=self.state_tile(), DT=self.DT,
-            num_warps=self.warps, num_stages=self.stages)
+        starts, final = torch.empty_like(ends), torch.empty_like(initial, memory_format=torch.contiguous_format)
+        Dk, Dv = self.shape["DK"], self.shape["DV"]
+        _chunk_segment_starts_kernel[(_cdiv(Dv, self.state_tile()), B, HV)](
+            initial.contiguous(), ends, segment_decay, starts, final, segments, HV, Dk, Dv, BK=self.BK,
+            BV=self.state_tile(), num_warps=self.warps)
+        join_tile = min(self.BV_full, 64)
+        _chunk_state_join_kernel[(_cdiv(Dv, join_tile), layout.num_chunks, HV)](
+            h, starts, to_chunk, NT, segment_chunks, segments, HV, Dk, Dv, BK=self.BK, BV=join_tile, DT=self.DT,
+            num_warps=self.warps)
         return final
 
     def state_tile(self, reverse=False):
@@ -1198,16 +1218,16 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     parts = torch.empty(key_tiles, L, HV, 5, **f32)
     dX_parts = torch.empty(key_tiles, 2, L, HV, chunk_size, **f32) if run.delta else parts
     dk_keys = torch.empty(L, HV, Dk, **f32) if run.delta else dk
-    common["BV"] = min(run.BV_full, 64)
-    keys_warps, keys_stages = grad_keys_launch(run.delta, residual)
+    keys_warps, keys_stages, keys_value_tile = grad_keys_launch(run.delta, residual, run.BV_full)
     _chunk_grad_keys_kernel[(key_tiles, layout.num_chunks, HV)](
         run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
         do, dh_next, dU, dh_next_residual, dU_residual, dz, dq, dk_keys, parts, dX_parts, *run.tables, scale,
-        **run.shape, L=L, **{**common, "BK": key_tile}, num_warps=keys_warps, num_stages=keys_stages)
+        **run.shape, L=L, **{**common, "BK": key_tile, "BV": keys_value_tile}, num_warps=keys_warps,
+        num_stages=keys_stages)
     _chunk_grad_values_kernel[(layout.num_chunks, HV)](
         run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dU, dU_residual, dz, dk_keys,
         parts, dX_parts, dk, dv, dg, dbeta, dgamma, dgamma_write, *run.tables, clip, **run.shape, L=L,
-        KEY_TILES=key_tiles, **common, num_warps=8, num_stages=2)
+        KEY_TILES=key_tiles, **common, BV=min(run.BV_full, 64), num_warps=GRAD_VALUES_WARPS, num_stages=2)
     group = lambda x: x.view(L, H, HV // H, Dk).sum(2) if grouped else x  # noqa: E731  a key head's value heads
     shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
     grads = (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta))

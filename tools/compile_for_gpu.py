@@ -35,7 +35,8 @@ DTYPES = {"bf16": (tl.bfloat16, "*bf16"), "fp16": (tl.float16, "*fp16"), "fp32":
 INDEX_POINTERS = ("cu_seqlens_ptr", "chunk_seq_ptr", "chunk_offsets_ptr")
 # Pointers to the states, the gates and the fp32 gradient buffers; the others hold inputs or
 # buffers in the input dtype (dq, dk and dv too: GROUP is 1 here).
-FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "segment_decay_ptr", "g_ptr", "strength_ptr", "residual_strength_ptr", "gamma_ptr",
+FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "starts_ptr", "segment_decay_ptr", "chunk_decay_ptr",
+                 "g_ptr", "strength_ptr", "residual_strength_ptr", "gamma_ptr",
                  "dS_ptr", "dR_ptr", "dh_next_ptr", "dU_ptr", "dh_next_residual_ptr", "dU_residual_ptr",
                  "residual_ptr", "dz_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
                  "dresidual_strength_ptr")
@@ -46,6 +47,7 @@ def launches(BK, BV_full, delta, residual, fp32):
     warps = 4 if BK <= 128 else 8
     state_tile = min(BV_full, 64)
     stages, backward_stages = kernels.pipeline_stages(fp32, BK, delta, residual)
+    keys_warps, keys_stages, keys_value_tile = kernels.grad_keys_launch(delta, residual, BV_full)
     return [
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK), kernels.GRAM_WARPS, 3),
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
@@ -53,16 +55,17 @@ def launches(BK, BV_full, delta, residual, fp32):
         # The residual rules' writes of R: the forward's, and the backward's recompute (storing z).
         *[(kernels._chunk_residual_writes_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STORE_Z=store_z), warps,
            stages) for store_z in (False, True)],
-        (kernels._chunk_state_join_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
+        (kernels._chunk_segment_starts_kernel, dict(BK=BK, BV=state_tile), warps, 3),
+        (kernels._chunk_state_join_kernel, dict(BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
         # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz.
         *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile, GATED_READ=gated, PRED=pred),
            warps, backward_stages) for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
         (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
-        (kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=min(BV_full, 64)),
-         *kernels.grad_keys_launch(delta, residual)),
-        (kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64)), 8, 2),
+        (kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=keys_value_tile), keys_warps, keys_stages),
+        (kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64)),
+         kernels.GRAD_VALUES_WARPS, 2),
     ]
 
 
@@ -180,7 +183,8 @@ def main():
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
                         if not delta and fn is kernels._chunk_wy_kernel or \
                                 not (delta or residual) and fn is kernels._chunk_gram_kernel or \
-                                delta and fn is kernels._chunk_state_join_kernel or \
+                                delta and fn in (kernels._chunk_segment_starts_kernel,
+                                                 kernels._chunk_state_join_kernel) or \
                                 not residual and fn in (kernels._chunk_residual_writes_kernel,
                                                         kernels._chunk_residual_grad_kernel):
                             continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
