@@ -769,9 +769,15 @@ class _ChunkRun:
         """Value columns a program of the sequential kernels owns: few sequence-heads leave SMs
         idle, so narrower tiles then. Timed on the H200 (D128) at 64 sequence-heads (B8xT2048 H8),
         tiles of 64 made the forward state kernel faster (gdn 95 -> 68 us, rdn's two passes 193 ->
-        134) and the reverse one slower (gdn 184 -> 200, rdn 422 -> 541); at 32 both lost."""
-        wide = self.layout.num_sequences * self.shape["HV"] >= (128 if reverse else 64)
-        return min(self.BV_full, 64 if wide else 32)
+        134) and the reverse one slower (gdn 184 -> 200, rdn 422 -> 541); at 32 both lost. Below
+        32 sequence-heads (B1xT32768 H16, session 10) the forward's tiles of 16 beat 32: gdn's
+        state kernel 816 -> 608 us, rdn's two passes 1,636 -> 1,215, sGLA 747 -> 726 us for the
+        call (no segments then, against 16 and the join); from 32 on they lost (B2xT8192, gdn
+        183 -> 224). The reverse kernel's tiles of 16 have not been timed."""
+        sequence_heads = self.layout.num_sequences * self.shape["HV"]
+        if not reverse and sequence_heads < 32:
+            return min(self.BV_full, 16)
+        return min(self.BV_full, 64 if sequence_heads >= (128 if reverse else 64) else 32)
 
     def output(self, scale):
         o = torch.empty_like(self.v)
