@@ -618,11 +618,11 @@ def pipeline_stages(fp32, BK, delta, residual):
 
 def grad_keys_launch(delta, residual, BV_full):
     """num_warps, num_stages and value tile of `_chunk_grad_keys_kernel`, timed on the H200 (H8
-    D128, session 10, against 8 warps, 2 stages, tiles of 64): sGLA, with the fewest accumulators,
-    ran 301 -> 211 us on 4 warps (the others lost: gdn 378 -> 388, rdn 976 -> 1,505), and 210 ->
-    182 with 3 stages over value tiles of 32; rdn 974 -> 862 with 3 stages over tiles of 32 (its
-    shared memory 176 -> 98 KB at 2 stages); gdn gained from 3 stages (378 -> 358) and lost
-    from tiles of 32 (360 -> 381), as did RLA (577 -> 631, 579 with 3 stages)."""
+    D128, against 8 warps, 2 stages, tiles of 64). Session 9: sGLA, with the fewest accumulators,
+    ran 301 -> 211 us on 4 warps (the others lost: gdn 378 -> 388, rdn 976 -> 1,505); gdn gained
+    from 3 stages (378 -> 358). Session 10, over value tiles of 32 with 3 stages: sGLA 210 -> 182,
+    rdn 974 -> 862 (its shared memory 176 -> 98 KB at 2 stages); gdn lost from tiles of 32 (360
+    -> 381), as did RLA (577 -> 631, 579 with 3 stages)."""
     if not (delta or residual):
         return 4, 3, min(BV_full, 32)
     if delta and residual:
