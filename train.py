@@ -67,7 +67,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, broadcast
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -769,3 +769,6 @@ def train(args, argv, accelerator):
 
 if __name__ == "__main__":
     main()
+    # Left to interpreter exit, gloo's threads can abort a process of a finished run ("terminate
+    # called without an active exception"); tests/launch_train.py still needs the group after main.
+    PartialState().destroy_process_group()

@@ -75,3 +75,4 @@ if __name__ == "__main__":
             logits = model(input_ids=INPUT_IDS.to(PartialState().device)).logits.cpu()
         if PartialState().is_main_process:
             torch.save({"input_ids": INPUT_IDS, "logits": logits}, os.environ["RESLIN_TEST_LOGITS"])
+    PartialState().destroy_process_group()  # as train.py does after main
