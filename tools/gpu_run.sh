@@ -17,7 +17,8 @@
 #   backward     benchmarks/bench_forward.py --backward (420)
 #   kernels      benchmarks/kernel_times.py, forward and backward (300)
 #   variants     benchmarks/kernel_variants.py --backward: this tree's kernels file beside every copy in
-#                scratch/variants/*.py (carry scratch), each compiled first in a process of its own (540)
+#                scratch/variants/*.py (carry scratch), each compiled first in a process of its own; more
+#                kernel_variants options in $VARIANTS_ARGS ("--rules rla rdn --heads 16", say) (540)
 #   decode       benchmarks/bench_decode.py (180)
 #   generate     benchmarks/bench_generate.py (600)
 #   training     benchmarks/bench_training.py (600)
@@ -73,7 +74,7 @@ for name in "$@"; do
         python3 benchmarks/kernel_variants.py --backward --variant "warm=$file" --shapes 1x256 --repeats 1 >/dev/null 2>&1 &
       done
       wait
-      python3 benchmarks/kernel_variants.py --backward --variant main=kernels_reslin_triton.py \
+      python3 benchmarks/kernel_variants.py --backward ${VARIANTS_ARGS:-} --variant main=kernels_reslin_triton.py \
         $(for file in "${files[@]}"; do echo --variant "$(basename "$file" .py)=$file"; done)' ;;
     decode) job decode 180 python3 benchmarks/bench_decode.py ;;
     generate) job generate 600 python3 benchmarks/bench_generate.py ;;

@@ -4,17 +4,27 @@
 #
 #   bash tools/variant.sh values-w4 's/num_warps=GRAD_VALUES_WARPS/num_warps=8/'
 #   bash tools/variant.sh committed --rev HEAD     # another commit's file, unedited
+#   bash tools/variant.sh fused --patch tools/pending/fused-residual-pass.patch   # this file, patched
 #
 # Each expression must change the file, so that a launch setting renamed since stops the run
 # here, not as a variant that times the same code twice.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 2 ] || { sed -n '2,9p' "$0"; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,10p' "$0"; exit 2; }
 name=$1; shift
 mkdir -p scratch/variants
 out=scratch/variants/$name.py
 if [ "$1" = "--rev" ]; then
   git show "$2:kernels_reslin_triton.py" > "$out"
+  exit 0
+fi
+if [ "$1" = "--patch" ]; then  # the patch's hunks for kernels_reslin_triton.py; it may touch other files
+  patch=$(realpath "$2")
+  work=$(mktemp -d)
+  cp kernels_reslin_triton.py "$work/"
+  (cd "$work" && git apply --include=kernels_reslin_triton.py "$patch")
+  mv "$work/kernels_reslin_triton.py" "$out"
+  rm -r "$work"
   exit 0
 fi
 cp kernels_reslin_triton.py "$out"
