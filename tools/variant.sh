@@ -5,12 +5,13 @@
 #   bash tools/variant.sh values-w4 's/num_warps=GRAD_VALUES_WARPS/num_warps=8/'
 #   bash tools/variant.sh committed --rev HEAD     # another commit's file, unedited
 #   bash tools/variant.sh fused --patch tools/pending/fused-residual-pass.patch   # this file, patched
+#                                       (several patches: applied in the order given)
 #
 # Each expression must change the file, so that a launch setting renamed since stops the run
 # here, not as a variant that times the same code twice.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 2 ] || { sed -n '2,10p' "$0"; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,11p' "$0"; exit 2; }
 name=$1; shift
 mkdir -p scratch/variants
 out=scratch/variants/$name.py
@@ -18,11 +19,13 @@ if [ "$1" = "--rev" ]; then
   git show "$2:kernels_reslin_triton.py" > "$out"
   exit 0
 fi
-if [ "$1" = "--patch" ]; then  # the patch's hunks for kernels_reslin_triton.py; it may touch other files
-  patch=$(realpath "$2")
+if [ "$1" = "--patch" ]; then  # the patches' hunks for kernels_reslin_triton.py; they may touch other files
+  shift
   work=$(mktemp -d)
   cp kernels_reslin_triton.py "$work/"
-  (cd "$work" && git apply --include=kernels_reslin_triton.py "$patch")
+  for patch in "$@"; do
+    (cd "$work" && git apply --include=kernels_reslin_triton.py) <"$patch"
+  done
   mv "$work/kernels_reslin_triton.py" "$out"
   rm -r "$work"
   exit 0
