@@ -10,6 +10,7 @@ What it adds to `python train.py ARGS`:
   resumed from it continues as if this one had stopped there.
 """
 
+import gc
 import os
 import shutil
 import sys
@@ -75,4 +76,6 @@ if __name__ == "__main__":
             logits = model(input_ids=INPUT_IDS.to(PartialState().device)).logits.cpu()
         if PartialState().is_main_process:
             torch.save({"input_ids": INPUT_IDS, "logits": logits}, os.environ["RESLIN_TEST_LOGITS"])
-    PartialState().destroy_process_group()  # as train.py does after main
+    kept.clear()  # as train.py does after main: the model goes first, then the group
+    gc.collect()
+    PartialState().destroy_process_group()

@@ -3,30 +3,39 @@ launch_trainer.py OUT` (one process) or under `accelerate launch` (several). The
 4 rows of 24 tokens whatever the number of processes (split_batches), so every run takes the same
 steps; the main process writes the logged losses to OUT."""
 
+import gc
 import json
 import sys
 
 import torch
+from accelerate import PartialState
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
 from conftest import REPO_ROOT, TINY
 
-if __name__ == "__main__":
+
+def train_and_report(out):
     config = AutoConfig.from_pretrained(REPO_ROOT, trust_remote_code=True, **TINY, attn_type="rdn", num_v_heads=2,
                                         layer_types=["linear_attention"] * TINY["num_hidden_layers"])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
     ids = torch.randint(3, 20, (16, 24), generator=torch.Generator().manual_seed(0))
     rows = [{"input_ids": row, "labels": row} for row in ids]
-    args = TrainingArguments(output_dir=sys.argv[1] + ".run", max_steps=6, per_device_train_batch_size=4,
+    args = TrainingArguments(output_dir=out + ".run", max_steps=6, per_device_train_batch_size=4,
                              accelerator_config={"split_batches": True}, learning_rate=1e-2, logging_steps=1,
                              save_strategy="no", report_to=[], use_cpu=True, seed=0)
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     trainer.train()
     if trainer.is_world_process_zero():
-        with open(sys.argv[1], "w") as out:
+        with open(out, "w") as file:
             json.dump({"processes": trainer.args.world_size,
-                       "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]}, out)
-    # Without this, gloo's threads can still run at interpreter exit and abort the process
-    # ("terminate called without an active exception"), about one run in three.
-    trainer.accelerator.end_training()
+                       "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]}, file)
+
+
+if __name__ == "__main__":
+    train_and_report(sys.argv[1])
+    # DDP's reducer and gloo's process group own C++ threads; left to the interpreter's exit, they
+    # abort a process now and then ("terminate called without an active exception": 2 runs in 10
+    # here). The model goes first, then the group.
+    gc.collect()
+    PartialState().destroy_process_group()
