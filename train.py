@@ -768,10 +768,15 @@ def train(args, argv, accelerator):
     return metrics
 
 
-if __name__ == "__main__":
-    main()
-    # DDP's reducer and gloo's process group own C++ threads; left to the interpreter's exit, they
-    # can abort a finished run's process ("terminate called without an active exception"). The
-    # model goes first, then the group (here, not in main: tests/launch_train.py uses both after).
+def release_processes():
+    """Frees this process's distributed state once the run's model is no longer referenced. DDP's
+    reducer and gloo's process group own C++ threads; left to the interpreter's exit, they can
+    abort a finished run's process ("terminate called without an active exception"). The model
+    goes first, then the group. Not in main: tests/launch_train.py uses both after it."""
     gc.collect()
     PartialState().destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    release_processes()

@@ -10,7 +10,6 @@ What it adds to `python train.py ARGS`:
   resumed from it continues as if this one had stopped there.
 """
 
-import gc
 import os
 import shutil
 import sys
@@ -76,6 +75,5 @@ if __name__ == "__main__":
             logits = model(input_ids=INPUT_IDS.to(PartialState().device)).logits.cpu()
         if PartialState().is_main_process:
             torch.save({"input_ids": INPUT_IDS, "logits": logits}, os.environ["RESLIN_TEST_LOGITS"])
-    kept.clear()  # as train.py does after main: the model goes first, then the group
-    gc.collect()
-    PartialState().destroy_process_group()
+    kept.clear()
+    train.release_processes()

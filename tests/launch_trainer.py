@@ -34,8 +34,8 @@ def train_and_report(out):
 
 if __name__ == "__main__":
     train_and_report(sys.argv[1])
-    # DDP's reducer and gloo's process group own C++ threads; left to the interpreter's exit, they
-    # abort a process now and then ("terminate called without an active exception": 2 runs in 10
-    # here). The model goes first, then the group.
+    # As train.release_processes: DDP's reducer and gloo's process group own C++ threads; left to
+    # the interpreter's exit, they aborted a process now and then (2 runs in 10 here). The model
+    # goes first, then the group.
     gc.collect()
     PartialState().destroy_process_group()
