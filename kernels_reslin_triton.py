@@ -138,7 +138,8 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 #       rules run it twice, S's pass then R's, one state each;
 #   _chunk_residual_writes_kernel (residual rules), every chunk at once, between the two passes:
 #       pred = e^(G_prev) K h + P U from S's chunk-start states, and R's writes from the clipped
-#       residual clip(v - pred) (for the delta rule, R's U0 = T_R^-1 diag(b_R) r);
+#       residual clip(v - pred) (for the delta rule, R's U0 = T_R^-1 diag(b_R) r). For RLA over
+#       few (sequence, head) pairs, _chunk_residual_state_kernel does all three in one pass;
 #   _chunk_output_kernel, every chunk at once: o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U,
 #       for the residual rules the exclusive base read plus gamma times R's read.
 # Few long sequences of the additive rule (sGLA, RLA) leave most SMs idle along the state loop:
@@ -402,6 +403,24 @@ def _pred(k, h, U, P, G_prev, DT: tl.constexpr):
 
 
 @triton.jit
+def _clipped_residual(k, v, h, U, P, G_prev, clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT: tl.constexpr,
+                      STORE_Z: tl.constexpr):
+    """The residual clip(v - pred, -c, c) of a chunk's rows that R writes, from S's chunk-start
+    state h and its writes U. z = v - pred is stored for the backward when STORE_Z (its clip
+    decisions are the forward's own)."""
+    z = v - _pred(k, h, U, P, G_prev, DT)
+    if STORE_Z:
+        _store_rows(z_ptr, rows, row_ok, head, HV, vcols, DV, z)
+    return tl.minimum(tl.maximum(z, -clip), clip)
+
+
+@triton.jit
+def _advanced(S, k_t, G, G_last, U, DT: tl.constexpr):
+    """A state at the chunk's end from its start: e^(G_last) S + (e^(G_last - G) K)^T U."""
+    return tl.exp(G_last) * S + _mm(k_t, tl.exp(G_last - G)[:, None] * U, DT)
+
+
+@triton.jit
 def _state_tile(seq_head, kcols, vcols, DK, DV):
     """Offsets and mask of a [BK, BV] tile of state number seq_head."""
     offsets = seq_head.to(tl.int64) * DK * DV + kcols[:, None] * DV + vcols[None, :]
@@ -440,7 +459,7 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
         else:
             U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
                 _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        S = tl.exp(G_last) * S + _mm(k_t, tl.exp(G_last - tl.cumsum(g, axis=0))[:, None] * U, DT)
+        S = _advanced(S, k_t, tl.cumsum(g, axis=0), G_last, U, DT)
         chunk += 1
     tl.store(S_ptr + state_offsets, S, mask=tile_ok)
 
@@ -471,10 +490,8 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
         U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
     else:
         U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
-    z = v - _pred(k, h, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), tl.cumsum(g, axis=0) - g, DT)
-    if STORE_Z:
-        _store_rows(z_ptr, rows, row_ok, head, HV, vcols, DV, z)
-    residual = tl.minimum(tl.maximum(z, -clip), clip)
+    residual = _clipped_residual(k, v, h, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC),
+                                 tl.cumsum(g, axis=0) - g, clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
     scaled = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
     if DELTA:
         _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV,
@@ -482,6 +499,50 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
     else:
         _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV, residual)
         _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, scaled)
+
+
+@triton.jit
+def _chunk_residual_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, h_ptr, P_ptr,
+                                 U_residual_ptr, h_residual_ptr, z_ptr, S_ptr, R_ptr, cu_seqlens_ptr,
+                                 chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
+                                 BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, STORE_Z: tl.constexpr,
+                                 VARLEN: tl.constexpr):
+    """RLA's two states chunk after chunk in one pass: S's pass of `_chunk_state_kernel`, the
+    writes of `_chunk_residual_writes_kernel` and R's pass, with S's chunk-start state, its writes
+    and the residual kept in registers rather than stored and read back. Every step is separable
+    by value column, so a program owns the same value tile of S and R. S_ptr and R_ptr hold the
+    initial states on entry, the final ones on exit."""
+    value_tile, seq_head = tl.program_id(0), tl.program_id(1)
+    seq, head = seq_head // HV, seq_head % HV
+    bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
+    tile = kcols[:, None] * DV + vcols[None, :]
+    S = tl.load(S_ptr + state_offsets, mask=tile_ok, other=0.0)
+    R = tl.load(R_ptr + state_offsets, mask=tile_ok, other=0.0)
+    r = tl.arange(0, BC)
+    for start in range(bos, eos, BC):
+        chunk_tile = (chunk * HV + head) * DK * DV + tile
+        tl.store(h_ptr + chunk_tile, S.to(DT), mask=tile_ok)
+        tl.store(h_residual_ptr + chunk_tile, R.to(DT), mask=tile_ok)
+        rows = start + r
+        row_ok = rows < eos
+        g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+        G = tl.cumsum(g, axis=0)
+        G_last = tl.sum(g, axis=0)
+        k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+        k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
+        residual = _clipped_residual(k, v, S, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), G - g, clip,
+                                     z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
+        U_residual = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
+        _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, U_residual)
+        S = _advanced(S, k_t, G, G_last, U, DT)
+        R = _advanced(R, k_t, G, G_last, U_residual, DT)
+        chunk += 1
+    tl.store(S_ptr + state_offsets, S, mask=tile_ok)
+    tl.store(R_ptr + state_offsets, R, mask=tile_ok)
 
 
 @triton.jit
@@ -686,6 +747,9 @@ class _ChunkRun:
             _chunk_wy_kernel[(layout.num_chunks, HV)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
                 **self.shape, BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
+        if residual and self.fuse_residual_passes():
+            self.S, self.R = self.advance_both(S0, R0, store_z)
+            return
         self.S = self.advance(S0, v, beta, self.W, U0, self.U, self.h)
         if not residual:
             self.R = self.S
@@ -698,6 +762,30 @@ class _ChunkRun:
             *self.tables, clip, **self.shape, BV=BV, DELTA=delta, STORE_Z=store_z, **common, num_warps=self.warps,
             num_stages=self.stages)
         self.R = self.advance(R0, writes, self.gamma_write, self.W_residual, writes, self.U_residual, self.h_residual)
+
+    def fuse_residual_passes(self):
+        """Whether RLA's passes run as one (`_chunk_residual_state_kernel`). It pays where the
+        state tiles are narrow, below 64 (sequence, head) pairs: each pass then runs few programs and
+        the writes kernel between them is a third launch over every chunk. On an H200 (D128, session
+        12, forward us): H16 B1xT32768 1,764 -> 1,605, B2xT8192 714 -> 609; H8 B2xT8192 451 -> 409,
+        B4xT4096 369 -> 311. From 64 pairs on it lost (H16 B4xT4096 657 -> 688, B8xT2048 620 -> 695),
+        as it did for RDN even at H16 B1xT32768 (2,641 -> 2,947). Where RLA runs in segments
+        (fewer pairs still) those stay: the two were not timed against each other."""
+        sequence_heads = self.layout.num_sequences * self.shape["HV"]
+        return not self.delta and sequence_heads < 64 and self.state_segments() == 1
+
+    def advance_both(self, S0, R0, store_z):
+        """RLA's S and R passes in one from S0 and R0, storing h, h_R, R's writes and z.
+        Returns the final S and R."""
+        layout = self.layout
+        S, R = (x.clone(memory_format=torch.contiguous_format) for x in (S0, R0))  # advanced in place
+        grid = (_cdiv(self.shape["DV"], self.state_tile()), layout.num_sequences * self.shape["HV"])
+        _chunk_residual_state_kernel[grid](
+            self.k, self.v, self.g, self.beta, self.gamma_write, self.h, self.P, self.U_residual, self.h_residual,
+            self.z, S, R, layout.cu_seqlens, layout.chunk_offsets, self.clip, **self.shape, BC=self.chunk_size,
+            BK=self.BK, BV=self.state_tile(), DT=self.DT, STORE_Z=store_z, VARLEN=layout.varlen,
+            num_warps=self.warps, num_stages=self.stages)
+        return S, R
 
     def advance(self, initial, v, strength, W, U0, U, h):
         """One state's pass (`_chunk_state_kernel`) from `initial` over the writes (v and the write

@@ -166,6 +166,26 @@ def test_chunked_backward_matches_reference(name, update, residual, kaczmarz, ca
         assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "two_passes"])
+@pytest.mark.parametrize("case", GRAD_CASES[:2], ids=["batch", "varlen"])
+def test_residual_additive_states_in_one_pass_or_two_match_reference(case, one_pass, monkeypatch):
+    """RLA's S and R advance in one kernel over few (sequence, head) pairs, in two passes and the
+    writes kernel between them over many (`_ChunkRun.fuse_residual_passes`): each way forced here,
+    outputs, final states and every gradient against the reference, relative error <= 1e-5 in fp32."""
+    fused = []
+    for module in [m for name, m in sys.modules.items() if name.rpartition(".")[2] == "kernels_reslin_triton"]:
+        monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: one_pass)
+        monkeypatch.setattr(module._ChunkRun, "advance_both",
+                            lambda run, *args, original=module._ChunkRun.advance_both:
+                            fused.append(True) or original(run, *args))
+    x, cu_seqlens = case_inputs(case, residual=True, kaczmarz=False)
+    labels, ref = outputs_and_gradients(x, "additive", True, cu_seqlens, "recurrent")
+    _, got = outputs_and_gradients(x, "additive", True, cu_seqlens, "triton")
+    assert fused == ([True] * 2 if one_pass else [])  # the forward and the backward's recompute
+    for label, a, b in zip(labels, got, ref):
+        assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
+
+
 @pytest.mark.parametrize("programs,segments", [(16, 4), (24, 6)])
 @pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "additive"])
 def test_additive_states_split_into_segments_match_reference(name, update, residual, kaczmarz, programs, segments,

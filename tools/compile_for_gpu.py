@@ -55,6 +55,9 @@ def launches(BK, BV_full, delta, residual, fp32):
         # The residual rules' writes of R: the forward's, and the backward's recompute (storing z).
         *[(kernels._chunk_residual_writes_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STORE_Z=store_z), warps,
            stages) for store_z in (False, True)],
+        # RLA's two passes in one (below 64 sequence-heads, so tiles of 16 or 32), forward and recompute.
+        *[(kernels._chunk_residual_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), STORE_Z=store_z), warps,
+           stages) for store_z in (False, True)],
         (kernels._chunk_segment_starts_kernel, dict(BK=BK, BV=state_tile), warps, 3),
         (kernels._chunk_state_join_kernel, dict(BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
@@ -186,7 +189,8 @@ def main():
                                 delta and fn in (kernels._chunk_segment_starts_kernel,
                                                  kernels._chunk_state_join_kernel) or \
                                 not residual and fn in (kernels._chunk_residual_writes_kernel,
-                                                        kernels._chunk_residual_grad_kernel):
+                                                        kernels._chunk_residual_grad_kernel) or \
+                                fn is kernels._chunk_residual_state_kernel and (delta or not residual):
                             continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
                         label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
                                  f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
