@@ -4,7 +4,7 @@
 #
 #   bash tools/variant.sh values-w4 's/num_warps=GRAD_VALUES_WARPS/num_warps=8/'
 #   bash tools/variant.sh committed --rev HEAD     # another commit's file, unedited
-#   bash tools/variant.sh fused --patch tools/pending/fused-residual-pass.patch   # this file, patched
+#   bash tools/variant.sh fused --patch scratch/fused.patch   # this file, patched (git diff output)
 #                                       (several patches: applied in the order given)
 #
 # Each expression must change the file, so that a launch setting renamed since stops the run
