@@ -139,7 +139,7 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 #   _chunk_residual_writes_kernel (residual rules), every chunk at once, between the two passes:
 #       pred = e^(G_prev) K h + P U from S's chunk-start states, and R's writes from the clipped
 #       residual clip(v - pred) (for the delta rule, R's U0 = T_R^-1 diag(b_R) r). For RLA over
-#       few (sequence, head) pairs, _chunk_residual_state_kernel does all three in one pass;
+#       few (sequence, head) pairs, the state kernel does all three in one pass (BOTH_STATES);
 #   _chunk_output_kernel, every chunk at once: o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U,
 #       for the residual rules the exclusive base read plus gamma times R's read.
 # Few long sequences of the additive rule (sGLA, RLA) leave most SMs idle along the state loop:
@@ -429,14 +429,19 @@ def _state_tile(seq_head, kcols, vcols, DK, DV):
 
 
 @triton.jit
-def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S_ptr, cu_seqlens_ptr,
-                        chunk_offsets_ptr, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
-                        BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, VARLEN: tl.constexpr):
+def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S_ptr, residual_strength_ptr,
+                        P_ptr, z_ptr, U_residual_ptr, h_residual_ptr, R_ptr, cu_seqlens_ptr, chunk_offsets_ptr, clip,
+                        T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        DT: tl.constexpr, DELTA: tl.constexpr, BOTH_STATES: tl.constexpr, STORE_Z: tl.constexpr,
+                        VARLEN: tl.constexpr):
     """Chunk after chunk of one (sequence, value head, value tile) of one state: stores the
     chunk-start states h and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed
     where read), then S = e^(G_last) h + (e^(G_last - G) K)^T U. S_ptr holds the initial state
     on entry, the final one on exit. The residual rules run it twice: for S, then for R with
-    its own writes (`_chunk_residual_writes_kernel`) in place of V, or of U0 and W."""
+    its own writes (`_chunk_residual_writes_kernel`) in place of V, or of U0 and W. Or, for RLA
+    (BOTH_STATES, additive rule only), S and R together: R's writes made from S's chunk-start
+    state as that kernel makes them, kept in registers; R_ptr as S_ptr. Every step is separable
+    by value column, so a program owns the same value tile of S and R."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -444,24 +449,41 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
     state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
     tile = kcols[:, None] * DV + vcols[None, :]
     S = tl.load(S_ptr + state_offsets, mask=tile_ok, other=0.0)
+    if BOTH_STATES:
+        R = tl.load(R_ptr + state_offsets, mask=tile_ok, other=0.0)
     r = tl.arange(0, BC)
     for start in range(bos, eos, BC):
-        tl.store(h_ptr + (chunk * HV + head) * DK * DV + tile, S.to(DT), mask=tile_ok)
+        chunk_tile = (chunk * HV + head) * DK * DV + tile
+        tl.store(h_ptr + chunk_tile, S.to(DT), mask=tile_ok)
+        if BOTH_STATES:
+            tl.store(h_residual_ptr + chunk_tile, R.to(DT), mask=tile_ok)
         rows = start + r
         row_ok = rows < eos
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+        G = tl.cumsum(g, axis=0)
         G_last = tl.sum(g, axis=0)  # padded rows add 0: the last real token's cumulative decay
+        if BOTH_STATES:
+            k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         if DELTA:
             W = _load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)
             U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32) - _mm(W, S, DT)
             _store_rows(U_ptr, rows, row_ok, head, HV, vcols, DV, U)
         else:
-            U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
-                _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        S = _advanced(S, k_t, tl.cumsum(g, axis=0), G_last, U, DT)
+            v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+            U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
+        if BOTH_STATES:
+            residual = _clipped_residual(k, v, S, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), G - g, clip,
+                                         z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
+            U_residual = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
+            _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, U_residual)
+        S = _advanced(S, k_t, G, G_last, U, DT)
+        if BOTH_STATES:
+            R = _advanced(R, k_t, G, G_last, U_residual, DT)
         chunk += 1
     tl.store(S_ptr + state_offsets, S, mask=tile_ok)
+    if BOTH_STATES:
+        tl.store(R_ptr + state_offsets, R, mask=tile_ok)
 
 
 @triton.jit
@@ -499,50 +521,6 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
     else:
         _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV, residual)
         _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, scaled)
-
-
-@triton.jit
-def _chunk_residual_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, h_ptr, P_ptr,
-                                 U_residual_ptr, h_residual_ptr, z_ptr, S_ptr, R_ptr, cu_seqlens_ptr,
-                                 chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
-                                 BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, STORE_Z: tl.constexpr,
-                                 VARLEN: tl.constexpr):
-    """RLA's two states chunk after chunk in one pass: S's pass of `_chunk_state_kernel`, the
-    writes of `_chunk_residual_writes_kernel` and R's pass, with S's chunk-start state, its writes
-    and the residual kept in registers rather than stored and read back. Every step is separable
-    by value column, so a program owns the same value tile of S and R. S_ptr and R_ptr hold the
-    initial states on entry, the final ones on exit."""
-    value_tile, seq_head = tl.program_id(0), tl.program_id(1)
-    seq, head = seq_head // HV, seq_head % HV
-    bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
-    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
-    state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
-    tile = kcols[:, None] * DV + vcols[None, :]
-    S = tl.load(S_ptr + state_offsets, mask=tile_ok, other=0.0)
-    R = tl.load(R_ptr + state_offsets, mask=tile_ok, other=0.0)
-    r = tl.arange(0, BC)
-    for start in range(bos, eos, BC):
-        chunk_tile = (chunk * HV + head) * DK * DV + tile
-        tl.store(h_ptr + chunk_tile, S.to(DT), mask=tile_ok)
-        tl.store(h_residual_ptr + chunk_tile, R.to(DT), mask=tile_ok)
-        rows = start + r
-        row_ok = rows < eos
-        g = _token_scalars(g_ptr, rows, row_ok, head, HV)
-        G = tl.cumsum(g, axis=0)
-        G_last = tl.sum(g, axis=0)
-        k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-        k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
-        residual = _clipped_residual(k, v, S, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), G - g, clip,
-                                     z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
-        U_residual = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
-        _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, U_residual)
-        S = _advanced(S, k_t, G, G_last, U, DT)
-        R = _advanced(R, k_t, G, G_last, U_residual, DT)
-        chunk += 1
-    tl.store(S_ptr + state_offsets, S, mask=tile_ok)
-    tl.store(R_ptr + state_offsets, R, mask=tile_ok)
 
 
 @triton.jit
@@ -764,7 +742,7 @@ class _ChunkRun:
         self.R = self.advance(R0, writes, self.gamma_write, self.W_residual, writes, self.U_residual, self.h_residual)
 
     def fuse_residual_passes(self):
-        """Whether RLA's passes run as one (`_chunk_residual_state_kernel`). It pays where the
+        """Whether RLA's passes run as one (`_chunk_state_kernel` with BOTH_STATES). It pays where the
         state tiles are narrow, below 64 (sequence, head) pairs: each pass then runs few programs and
         the writes kernel between them is a third launch over every chunk. On an H200 (D128, session
         12, forward us): H16 B1xT32768 1,764 -> 1,605, B2xT8192 714 -> 609; H8 B2xT8192 451 -> 409,
@@ -775,16 +753,11 @@ class _ChunkRun:
         return not self.delta and sequence_heads < 64 and self.state_segments() == 1
 
     def advance_both(self, S0, R0, store_z):
-        """RLA's S and R passes in one from S0 and R0, storing h, h_R, R's writes and z.
-        Returns the final S and R."""
+        """RLA's S and R passes in one from S0 and R0. Returns the final S and R."""
         layout = self.layout
         S, R = (x.clone(memory_format=torch.contiguous_format) for x in (S0, R0))  # advanced in place
-        grid = (_cdiv(self.shape["DV"], self.state_tile()), layout.num_sequences * self.shape["HV"])
-        _chunk_residual_state_kernel[grid](
-            self.k, self.v, self.g, self.beta, self.gamma_write, self.h, self.P, self.U_residual, self.h_residual,
-            self.z, S, R, layout.cu_seqlens, layout.chunk_offsets, self.clip, **self.shape, BC=self.chunk_size,
-            BK=self.BK, BV=self.state_tile(), DT=self.DT, STORE_Z=store_z, VARLEN=layout.varlen,
-            num_warps=self.warps, num_stages=self.stages)
+        self.state_pass(S, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences, layout.varlen, self.v,
+                        self.beta, self.W, self.v, self.U, self.h, residual_states=R, store_z=store_z)
         return S, R
 
     def advance(self, initial, v, strength, W, U0, U, h):
@@ -800,11 +773,16 @@ class _ChunkRun:
                         v, strength, W, U0, U, h)
         return final
 
-    def state_pass(self, states, cu_seqlens, chunk_offsets, sequences, varlen, v, strength, W, U0, U, h):
+    def state_pass(self, states, cu_seqlens, chunk_offsets, sequences, varlen, v, strength, W, U0, U, h,
+                   residual_states=None, store_z=False):
+        """`_chunk_state_kernel` over `sequences` rows of cu_seqlens; with `residual_states`, RLA's
+        R advanced with S in the same pass (h_R, R's writes and, with store_z, z stored)."""
+        both = residual_states is not None
         _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
-            self.k, v, self.g, strength, W, U0, U, h, states, cu_seqlens, chunk_offsets, **self.shape,
-            BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta, VARLEN=varlen,
-            num_warps=self.warps, num_stages=self.stages)
+            self.k, v, self.g, strength, W, U0, U, h, states, self.gamma_write, self.P, self.z, self.U_residual,
+            self.h_residual, residual_states if both else states, cu_seqlens, chunk_offsets, self.clip, **self.shape,
+            BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta, BOTH_STATES=both,
+            STORE_Z=store_z, VARLEN=varlen, num_warps=self.warps, num_stages=self.stages)
 
     def state_segments(self):
         """Segments each sequence's state recurrence is split into (1: not split). Few long

@@ -51,13 +51,14 @@ def launches(BK, BV_full, delta, residual, fp32):
     return [
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK), kernels.GRAM_WARPS, 3),
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
-        (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile), warps, stages),
+        (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, BOTH_STATES=False, STORE_Z=False), warps,
+         stages),
         # The residual rules' writes of R: the forward's, and the backward's recompute (storing z).
         *[(kernels._chunk_residual_writes_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STORE_Z=store_z), warps,
            stages) for store_z in (False, True)],
         # RLA's two passes in one (below 64 sequence-heads, so tiles of 16 or 32), forward and recompute.
-        *[(kernels._chunk_residual_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), STORE_Z=store_z), warps,
-           stages) for store_z in (False, True)],
+        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), BOTH_STATES=True, STORE_Z=store_z),
+           warps, stages) for store_z in (False, True)],
         (kernels._chunk_segment_starts_kernel, dict(BK=BK, BV=state_tile), warps, 3),
         (kernels._chunk_state_join_kernel, dict(BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
@@ -190,10 +191,11 @@ def main():
                                                  kernels._chunk_state_join_kernel) or \
                                 not residual and fn in (kernels._chunk_residual_writes_kernel,
                                                         kernels._chunk_residual_grad_kernel) or \
-                                fn is kernels._chunk_residual_state_kernel and (delta or not residual):
+                                constexprs.get("BOTH_STATES") and (delta or not residual):
                             continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
                         label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
                                  f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
+                                 f"{' both_states' if constexprs.get('BOTH_STATES') else ''}"
                                  f"{' gated_read' if constexprs.get('GATED_READ') else ''}"
                                  f"{' pred' if constexprs.get('PRED') else ''}")
                         start = time.time()
