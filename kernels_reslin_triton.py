@@ -678,10 +678,13 @@ class _ChunkRun:
     """The inputs of one chunked call laid out as packed tokens, and everything the forward
     computes before its outputs: T^-1, the WY terms, the chunk-start states h and the writes U
     (of S, and of R with the residual state). The backward builds it again (recomputing is
-    cheaper than keeping h) and reads it."""
+    cheaper than keeping h) and reads it, but for the delta rule's T^-1 without the residual
+    state: the forward keeps it (`keep_inverse`), as FLA keeps its A, one [tokens, heads, chunk]
+    tensor in the input dtype, and the backward, given it (`inverse`), skips the gram kernel.
+    The residual rules would keep three such tensors (T^-1, T_R^-1 and P) and recompute them."""
 
     def __init__(self, q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
-                 store_z=False):
+                 store_z=False, keep_inverse=False, inverse=None):
         B, T, H, Dk = q.shape
         HV, Dv = v.shape[2:]
         L = B * T
@@ -710,14 +713,20 @@ class _ChunkRun:
         self.warps = 4 if self.BK <= 128 else 8
         self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK, delta, residual)
         common = dict(BC=chunk_size, BK=self.BK, DT=self.DT, VARLEN=layout.varlen)
+        self.keeps_inverse = delta and not residual
+        if inverse is not None and not self.keeps_inverse:
+            raise ValueError("a kept T^-1 serves the delta rule without the residual state only")
         if delta:
-            self.X, self.W, U0, self.U = (empty(L, HV, chunk_size), empty(L, HV, Dk), empty(L, HV, Dv),
-                                          empty(L, HV, Dv))
+            # A kept T^-1 leaves the forward as an op's output: zeros where the kernels never write
+            # it (the blocks above the diagonal), not whatever the memory held.
+            fresh_inverse = torch.zeros if keep_inverse and self.keeps_inverse else torch.empty
+            self.X = fresh_inverse(L, HV, chunk_size, device=q.device, dtype=q.dtype) if inverse is None else inverse
+            self.W, U0, self.U = empty(L, HV, Dk), empty(L, HV, Dv), empty(L, HV, Dv)
             if residual:
                 self.X_residual, self.W_residual = empty(L, HV, chunk_size), empty(L, HV, Dk)
         if residual:
             self.P = empty(L, HV, chunk_size)
-        if delta or residual:
+        if (delta or residual) and inverse is None:
             _chunk_gram_kernel[(layout.num_chunks, HV)](
                 k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, layout.T, layout.NT,
                 HV, HV // H, Dk, BLOCK=BLOCK, DELTA=delta, RESIDUAL=residual, **common, num_warps=GRAM_WARPS)
@@ -859,11 +868,15 @@ class _ChunkRun:
 
 @_on_inputs_device
 def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
-                  chunk_size=CHUNK_SIZE):
+                  chunk_size=CHUNK_SIZE, keep_inverse=False):
     """Forward of every rule over [B, T] or packed (cu_seqlens) sequences, the same contract as
-    kernels_reslin_torch.chunk_reslin: returns (o in v's dtype, S, R) with fp32 states."""
-    run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size)
-    return run.output(scale).reshape(v.shape), run.S, (run.R if run.residual else None)
+    kernels_reslin_torch.chunk_reslin: returns (o in v's dtype, S, R) with fp32 states. With
+    keep_inverse a fourth value: T^-1 for chunk_backward's `inverse` (None but for the delta rule
+    without the residual state)."""
+    run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
+                    keep_inverse=keep_inverse)
+    outputs = run.output(scale).reshape(v.shape), run.S, (run.R if run.residual else None)
+    return (*outputs, run.X if run.keeps_inverse else None) if keep_inverse else outputs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1231,15 +1244,15 @@ def _chunk_grad_values_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_streng
 
 @_on_inputs_device
 def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, do, dS, dR,
-                   chunk_size=CHUNK_SIZE):
+                   chunk_size=CHUNK_SIZE, inverse=None):
     """Gradients of chunk_forward, (dq, dk, dv, dg, dbeta, dgamma, dgamma_write, dS0, dR0) (None
     where there is no residual state), given those of its output (do) and of its final states
-    (dS, dR: tensors or None)."""
+    (dS, dR: tensors or None); `inverse`: the T^-1 that chunk_forward kept, or None."""
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     L = B * T
     run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
-                    store_z=True)
+                    store_z=True, inverse=inverse)
     layout, residual = run.layout, run.residual
     do = do.reshape(L, HV, Dv).contiguous()
     start_grad = lambda d, like: torch.zeros_like(like) if d is None else \
@@ -1344,41 +1357,51 @@ def _register_ops():
     def chunk_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          gamma: Optional[torch.Tensor], gamma_write: Optional[torch.Tensor], S0: torch.Tensor,
                          R0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], update: str, clip: float,
-                         scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        o, S, R = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens)
-        return o, S, (_absent(S) if R is None else R)
+                         scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        o, S, R, inverse = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0,
+                                         cu_seqlens, keep_inverse=True)
+        return o, S, (_absent(S) if R is None else R), (_absent(q) if inverse is None else inverse)
 
     # The kernels write fresh contiguous tensors whatever the inputs' strides; the fakes must say
     # so (inductor checks the real strides against them).
     @chunk_forward_op.register_fake
     def _(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale):
         S = _contiguous_like(S0)
-        return _contiguous_like(v), S, (_absent(S) if gamma is None else torch.empty_like(S))
+        B, T, HV = v.shape[:3]
+        inverse = q.new_empty(B * T, HV, CHUNK_SIZE) if update == "delta" and gamma is None else _absent(q)
+        return _contiguous_like(v), S, (_absent(S) if gamma is None else torch.empty_like(S)), inverse
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::chunk_backward", mutates_args=())
     def chunk_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           gamma: Optional[torch.Tensor], gamma_write: Optional[torch.Tensor], S0: torch.Tensor,
                           R0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
-                          dS: Optional[torch.Tensor], dR: Optional[torch.Tensor], update: str, clip: float,
-                          scale: float) -> List[torch.Tensor]:
+                          dS: Optional[torch.Tensor], dR: Optional[torch.Tensor], inverse: Optional[torch.Tensor],
+                          update: str, clip: float, scale: float) -> List[torch.Tensor]:
         grads = chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, do, dS,
-                               dR)
+                               dR, inverse=inverse)
         return [_absent(q) if grad is None else grad for grad in grads]
 
     @chunk_backward_op.register_fake
-    def _(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, do, dS, dR, update, clip, scale):
+    def _(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, do, dS, dR, inverse, update, clip, scale):
         like = (q, k, v, g, beta, gamma, gamma_write, S0, R0 if gamma is not None else None)
         return [_absent(q) if x is None else _contiguous_like(x) for x in like]
 
     def setup_context(ctx, inputs, output):
         q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale = inputs
-        ctx.save_for_backward(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens)
+        inverse = output[3]
+        ctx.mark_non_differentiable(inverse)
+        # Gradients of unused outputs arrive as None, not as zeros: T^-1 never has one, and the
+        # backward takes dS and dR as None already.
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, inverse)
         ctx.update, ctx.clip, ctx.scale = update, clip, scale
 
-    def backward(ctx, do, dS, dR):
-        q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens = ctx.saved_tensors
+    def backward(ctx, do, dS, dR, _):
+        q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, inverse = ctx.saved_tensors
+        do = torch.zeros_like(v) if do is None else do  # o unused: only the final states carry a gradient
         grads = chunk_backward_op(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, do, dS,
-                                  dR if gamma is not None else None, ctx.update, ctx.clip, ctx.scale)
+                                  dR if gamma is not None else None, _optional(inverse), ctx.update, ctx.clip,
+                                  ctx.scale)
         return (*(_optional(grad) for grad in grads), None, None, None, None)
 
     chunk_forward_op.register_autograd(backward, setup_context=setup_context)
@@ -1406,7 +1429,8 @@ def chunk_attention(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S
     inputs = (q, k, v, g, beta, gamma, gamma_write, S0, R0)
     if torch.compiler.is_compiling() or (
             torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)):
-        o, S, R = chunk_forward_op(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale)
+        o, S, R, _ = chunk_forward_op(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip,
+                                      scale)
         return o, S, (R if gamma is not None else None)
     return chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens)
 

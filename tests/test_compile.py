@@ -42,11 +42,12 @@ def test_reslin_attention_compiles_without_graph_breaks(update, residual):
         assert rel_err(got, ref) < 1e-6
 
 
-@pytest.mark.parametrize("update,residual", [("delta", True), ("additive", False)])
+@pytest.mark.parametrize("update,residual", [("delta", True), ("delta", False), ("additive", False)])
 def test_custom_ops_pass_opcheck_with_strided_inputs(update, residual):
     """The fake implementations give the real outputs' shapes, dtypes and strides (inductor asserts
     the strides; a model hands the ops views of its projections, not contiguous tensors), and the
-    registered autograd formula holds under AOT dispatch."""
+    registered autograd formula holds under AOT dispatch; the delta rule without the residual
+    state hands its T^-1 from the forward op to the backward op."""
     x = make_inputs(1, 40, 2, 2, 16, 16, residual)
     x["gamma_write"] = x["gamma"]  # reslin_attention's default
     strided = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2) if t.dim() == 4 else t  # noqa: E731
@@ -54,12 +55,12 @@ def test_custom_ops_pass_opcheck_with_strided_inputs(update, residual):
               for n in ("q", "k", "v", "g", "beta", "gamma", "gamma_write", "S0", "R0")]
     assert not inputs[2].is_contiguous()
     torch.library.opcheck(kernels_reslin_triton.chunk_forward_op, (*inputs, None, update, 0.5, 0.25))
-    o, S, R = kernels_reslin_triton.chunk_forward_op(*inputs, None, update, 0.5, 0.25)
+    o, S, R, inverse = kernels_reslin_triton.chunk_forward_op(*inputs, None, update, 0.5, 0.25)
     grads_out = [strided(torch.randn_like(o)), torch.randn_like(S), torch.randn_like(R) if residual else None]
     detached = [None if t is None else t.detach() for t in inputs]
     ops = getattr(torch.ops, kernels_reslin_triton.OP_NAMESPACE)
     torch.library.opcheck(ops.chunk_backward.default,
-                          (*detached, None, *grads_out, update, 0.5, 0.25))
+                          (*detached, None, *grads_out, kernels_reslin_triton._optional(inverse), update, 0.5, 0.25))
 
 
 @pytest.mark.parametrize("mixer_name", ["rdn", "gdn"])

@@ -166,6 +166,32 @@ def test_chunked_backward_matches_reference(name, update, residual, kaczmarz, ca
         assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
 
 
+@pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "delta"])
+def test_delta_rule_backward_takes_the_forwards_inverse(name, update, residual, kaczmarz, monkeypatch):
+    """The forward op keeps T^-1 for the delta rule without the residual state, and the backward
+    uses it instead of forming it again; the residual rules form theirs again. Here the output
+    is left unused (its gradient arrives as None) and the final states carry the loss: every
+    gradient against the reference, relative error <= 1e-5 in fp32."""
+    kept = []
+    for module in [m for name, m in sys.modules.items() if name.rpartition(".")[2] == "kernels_reslin_triton"]:
+        monkeypatch.setattr(module, "chunk_backward",
+                            lambda *args, original=module.chunk_backward, **kwargs:
+                            kept.append(kwargs["inverse"] is not None) or original(*args, **kwargs))
+    x, _ = case_inputs(CHUNK_CASES[0], residual, kaczmarz)
+    names = [n for n in ("q", "k", "v", "g", "beta", "gamma", "gamma_write", "S0", "R0") if x[n] is not None]
+    gradients = []
+    for backend in ("recurrent", "triton"):
+        leaves = {n: x[n].detach().clone().requires_grad_() if n in names else None for n in x}
+        _, (S, R) = reslin_attention(*(leaves[n] for n in ("q", "k", "v", "g", "beta", "gamma")), update=update,
+                                     initial_state=(leaves["S0"], leaves["R0"]), output_final_state=True,
+                                     backend=backend, gamma_write=leaves["gamma_write"])
+        loss = S.square().sum() + (R.square().sum() if residual else 0)
+        gradients.append(torch.autograd.grad(loss, [leaves[n] for n in names], materialize_grads=True))  # dq = 0
+    assert kept == [not residual]
+    for name, ref, got in zip(names, *gradients):
+        assert rel_err(got, ref) < 1e-5, f"d{name}: {rel_err(got, ref):.2e}"
+
+
 @pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "two_passes"])
 @pytest.mark.parametrize("case", GRAD_CASES[:2], ids=["batch", "varlen"])
 def test_residual_additive_states_in_one_pass_or_two_match_reference(case, one_pass, monkeypatch):
