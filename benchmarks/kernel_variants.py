@@ -7,10 +7,14 @@ another commit's (`git show REV:kernels_reslin_triton.py > scratch/old.py`: the 
 gets no .git), or one edited with sed (a tile, a warp count). For every rule and shape it calls
 each variant's chunk_forward and, with --backward, its chunk_backward (the recomputed forward
 included) and prints the kernels' total and the slowest kernels, in microseconds per call.
+With --check it also compares every variant's outputs and gradients with the first variant's
+(the largest relative RMS difference; inf where one is not finite), so that a faster variant is
+known to compute the same thing on that GPU before it is worth landing.
 
     python benchmarks/kernel_variants.py --variant now=kernels_reslin_triton.py --variant old=scratch/old.py \\
         [--rules gdn rdn] [--shapes 4x4096 8x2048] [--heads 8] [--dim 128] [--backward] [--top 5]
-    python benchmarks/kernel_variants.py --smoke   # the current file on tiny sizes on a CPU
+        [--check]
+    python benchmarks/kernel_variants.py --smoke   # the current file (or the --variant files) on tiny sizes
 
 Every variant compiles its kernels anew (a file of its own to Triton): give a first run time.
 A variant that fails (a launch past the shared memory, say) is reported and the others go on;
@@ -47,13 +51,28 @@ def chunk_arguments(rule, B, T, H, D):
     return args, torch.randn_like(x["v"])
 
 
+def results(kernels, chunk_args, do, backward):
+    """chunk_forward's outputs and, with `backward`, chunk_backward's gradients, in fp32."""
+    tensors = list(kernels.chunk_forward(*chunk_args)[:3])
+    if backward:
+        tensors += kernels.chunk_backward(*chunk_args, do, None, None)
+    return [t.float() for t in tensors if t is not None]
+
+
+def largest_difference(tensors, reference):
+    """The largest relative RMS difference of `tensors` from `reference`, inf where one is not
+    finite (a NaN or an unwritten element shows as a difference, not as a match)."""
+    return max(((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+               if torch.isfinite(a).all() else float("inf") for a, b in zip(tensors, reference, strict=True))
+
+
 def summary(times, top):
     short = lambda name: name.removeprefix("_chunk_").removesuffix("_kernel")[:40]  # noqa: E731
     return f"{sum(times.values()):9.1f} us  [" + ", ".join(
         f"{short(name)} {us:.0f}" for name, us in times.most_common(top)) + "]"
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
                         help="a version of kernels_reslin_triton.py (repeat the option)")
@@ -64,10 +83,13 @@ def main():
     parser.add_argument("--backward", action="store_true", help="also chunk_backward")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=5, help="kernels named per call")
-    parser.add_argument("--smoke", action="store_true", help="the current file on tiny sizes, to check the script")
-    args = parser.parse_args()
+    parser.add_argument("--check", action="store_true",
+                        help="also every variant's outputs (and gradients) against the first variant's")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes (the current file without --variant), to check the script")
+    args = parser.parse_args(argv)
     if args.smoke:
-        args.variant = [f"now={os.path.join(REPO, 'kernels_reslin_triton.py')}"]
+        args.variant = args.variant or [f"now={os.path.join(REPO, 'kernels_reslin_triton.py')}"]
         args.shapes, args.heads, args.dim, args.repeats, args.rules = [(1, 70)], 2, 32, 1, ["gdn", "rdn"]
     if not args.variant:
         parser.error("name at least one --variant NAME=FILE")
@@ -85,6 +107,7 @@ def main():
         for B, T in args.shapes:
             chunk_args, do = chunk_arguments(rule, B, T, args.heads, args.dim)
             print(f"\n{rule} {B}x{T}", flush=True)
+            reference = None
             for name, kernels in variants:
                 try:
                     forward = kernel_times(lambda: kernels.chunk_forward(*chunk_args), args.repeats)
@@ -93,6 +116,13 @@ def main():
                         backward = kernel_times(lambda: kernels.chunk_backward(*chunk_args, do, None, None),
                                                 args.repeats)
                         print(f"  {name:{width}s} backward {summary(backward, args.top)}", flush=True)
+                    if args.check:
+                        tensors = results(kernels, chunk_args, do, args.backward)
+                        if reference is None:
+                            reference = (name, tensors)
+                        else:
+                            print(f"  {name:{width}s} differs from {reference[0]} by at most "
+                                  f"{largest_difference(tensors, reference[1]):.1e}", flush=True)
                 except Exception as error:  # a launch that does not fit, say: the other variants still run
                     print(f"  {name:{width}s} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}",
                           flush=True)

@@ -1,0 +1,30 @@
+"""benchmarks/kernel_variants.py --check on tiny sizes (Triton's interpreter on a CPU): a copy of
+the kernels file matches it exactly, and a copy with a wrong state step shows its difference."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import kernels_reslin
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")
+
+
+def test_check_tells_a_changed_kernel_from_a_copy(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import kernel_variants
+
+    kernels = REPO / "kernels_reslin_triton.py"
+    source = kernels.read_text()
+    wrong = source.replace("return tl.exp(G_last) * S + _mm(", "return 0.5 * tl.exp(G_last) * S + _mm(")
+    assert wrong != source
+    (tmp_path / "same.py").write_text(source)
+    (tmp_path / "wrong.py").write_text(wrong)
+    kernel_variants.main(["--smoke", "--check", "--backward", "--variant", f"now={kernels}",
+                          "--variant", f"same={tmp_path / 'same.py'}", "--variant", f"wrong={tmp_path / 'wrong.py'}"])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if "differs from now" in line]
+    difference = {name: [float(line[-1]) for line in lines if line[0] == name] for name in ("same", "wrong")}
+    assert difference["same"] == [0.0, 0.0]  # gdn and rdn
+    assert len(difference["wrong"]) == 2 and min(difference["wrong"]) > 1e-2
