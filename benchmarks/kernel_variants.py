@@ -53,7 +53,7 @@ def chunk_arguments(rule, B, T, H, D):
 
 def results(kernels, chunk_args, do, backward):
     """chunk_forward's outputs and, with `backward`, chunk_backward's gradients, in fp32."""
-    tensors = list(kernels.chunk_forward(*chunk_args)[:3])
+    tensors = list(kernels.chunk_forward(*chunk_args))
     if backward:
         tensors += kernels.chunk_backward(*chunk_args, do, None, None)
     return [t.float() for t in tensors if t is not None]

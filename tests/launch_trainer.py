@@ -3,15 +3,16 @@ launch_trainer.py OUT` (one process) or under `accelerate launch` (several). The
 4 rows of 24 tokens whatever the number of processes (split_batches), so every run takes the same
 steps; the main process writes the logged losses to OUT."""
 
-import gc
 import json
 import sys
 
 import torch
-from accelerate import PartialState
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
 from conftest import REPO_ROOT, TINY
+
+sys.path.insert(0, str(REPO_ROOT))
+import train  # noqa: E402
 
 
 def train_and_report(out):
@@ -33,9 +34,5 @@ def train_and_report(out):
 
 
 if __name__ == "__main__":
-    train_and_report(sys.argv[1])
-    # As train.release_processes: DDP's reducer and gloo's process group own C++ threads; left to
-    # the interpreter's exit, they aborted a process now and then (2 runs in 10 here). The model
-    # goes first, then the group.
-    gc.collect()
-    PartialState().destroy_process_group()
+    train_and_report(sys.argv[1])  # the model is freed on return, before the process group goes
+    train.release_processes()
