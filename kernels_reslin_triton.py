@@ -901,14 +901,15 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _chunk_local_grad_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, do_ptr, dU_ptr, dU_residual_ptr, cu_seqlens_ptr,
-                             chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
-                             BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, RESIDUAL: tl.constexpr,
-                             VARLEN: tl.constexpr):
+def _chunk_local_grad_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, do_ptr, dh_next_ptr, dU_ptr, dU_residual_ptr,
+                             cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV,
+                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                             RESIDUAL: tl.constexpr, STATE_PART: tl.constexpr, VARLEN: tl.constexpr):
     """Every chunk at once: the part of dU that a chunk's own outputs give, scale * A^T dO with
     A = mask(Q K^T) e^(G_i - G_j) (strictly lower for the residual rules' exclusive base read),
     and R's, scale * A^T diag(gamma) dO. The reverse state kernel adds what flows through the
-    states; computed here, no Q K^T is formed in its sequential loop."""
+    states; computed here, no Q K^T is formed in its sequential loop. For sGLA (STATE_PART) this
+    runs after the reverse pass and adds that part too, e^(G_last - G) K dh', from the stored dh'."""
     value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, row_ok, kcols, vcols, q, k, G = _chunk_queries_keys(
         q_ptr, k_ptr, g_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, value_tile, chunk, head, T, NT, HV,
@@ -920,7 +921,13 @@ def _chunk_local_grad_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, do_ptr, dU_ptr, dU_
         _store_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV, scale * _mm(attend_t, gamma[:, None] * do, DT))
         r = tl.arange(0, BC)
         attend_t = tl.where(r[:, None] < r[None, :], attend_t, 0.0)
-    _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, scale * _mm(attend_t, do, DT))
+    dU = scale * _mm(attend_t, do, DT)
+    if STATE_PART:
+        h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
+        dh_next = tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0)
+        G_last = tl.sum(tl.where(tl.arange(0, BC) == BC - 1, G, 0.0), axis=0)  # padded rows add 0
+        dU += tl.exp(G_last - G)[:, None] * _mm(k, dh_next, DT)
+    _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
 
 
 @triton.jit
@@ -928,12 +935,14 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, W_ptr, do_ptr, 
                                  cu_seqlens_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV,
                                  BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                                  DELTA: tl.constexpr, GATED_READ: tl.constexpr, PRED: tl.constexpr,
-                                 VARLEN: tl.constexpr):
+                                 WHOLE_DU: tl.constexpr, VARLEN: tl.constexpr):
     """One state's reverse pass. dS_ptr holds the final state's gradient on entry and the initial
-    state's on exit; dU_ptr the chunks' own parts of dU on entry (`_chunk_local_grad_kernel`,
-    and for S of the residual rules pred's -P^T dz, `_chunk_residual_grad_kernel`) and the whole
-    dU on exit. Stores dh' of every chunk. R's pass reads gamma dO (GATED_READ); S's pass of the
-    residual rules (PRED) adds pred's reading of the chunk-start state, -(e^(G_prev) K)^T dz."""
+    state's on exit. Stores dh' of every chunk. With WHOLE_DU, dU_ptr holds the chunks' own parts
+    of dU on entry (`_chunk_local_grad_kernel`, and for S of the residual rules pred's -P^T dz,
+    `_chunk_residual_grad_kernel`) and the whole dU on exit; without (sGLA, whose dh never reads
+    dU), the local grad kernel adds dU's state part afterwards. R's pass reads gamma dO
+    (GATED_READ); S's pass of the residual rules (PRED) adds pred's reading of the chunk-start
+    state, -(e^(G_prev) K)^T dz."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, first_chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -951,12 +960,14 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, W_ptr, do_ptr, 
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
         G = tl.cumsum(g, axis=0)
         G_last = tl.sum(g, axis=0)
-        k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
         if GATED_READ:
             do = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
-        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) + tl.exp(G_last - G)[:, None] * _mm(k, dh, DT)
-        _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
+        if WHOLE_DU:
+            k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+            dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) + \
+                tl.exp(G_last - G)[:, None] * _mm(k, dh, DT)
+            _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
         q_t = _load_columns(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         dh = tl.exp(G_last) * dh + scale * _mm(q_t, tl.exp(G)[:, None] * do, DT)
         if PRED:
@@ -1268,10 +1279,17 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     gates = (run.beta, read_gate, run.gamma_write)
     common = dict(BC=chunk_size, BK=run.BK, DT=run.DT, RESIDUAL=residual, VARLEN=layout.varlen)
     BV = min(run.BV_full, 64)
-    _chunk_local_grad_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
-        run.q, run.k, run.g, read_gate, do, dU, dU_residual, *run.tables, scale, **run.shape, BV=BV, **common,
-        num_warps=run.warps)
-    common["DELTA"] = run.delta
+    # sGLA's reverse pass carries dh' alone (its dh never reads dU): dU's state part joins its
+    # local part afterwards, every chunk at once, which keeps the sequential loop short.
+    state_part_after = not (run.delta or residual)
+
+    def local_grad():
+        _chunk_local_grad_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
+            run.q, run.k, run.g, read_gate, do, dh_next, dU, dU_residual, *run.tables, scale, **run.shape, BV=BV,
+            **common, STATE_PART=state_part_after, num_warps=run.warps)
+
+    if not state_part_after:
+        local_grad()
 
     reverse_tile = run.state_tile(reverse=True)
 
@@ -1279,8 +1297,8 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         _chunk_state_backward_kernel[(_cdiv(Dv, reverse_tile), layout.num_sequences * HV)](
             run.q, run.k, run.g, read_gate, W, do, dz, dstates, dh_next, dU, layout.cu_seqlens,
             layout.chunk_offsets, scale, **run.shape, BV=reverse_tile, BC=chunk_size, BK=run.BK, DT=run.DT,
-            DELTA=run.delta, GATED_READ=gated_read, PRED=pred, VARLEN=layout.varlen, num_warps=run.warps,
-            num_stages=run.backward_stages)
+            DELTA=run.delta, GATED_READ=gated_read, PRED=pred, WHOLE_DU=not state_part_after, VARLEN=layout.varlen,
+            num_warps=run.warps, num_stages=run.backward_stages)
 
     if residual:  # R's pass first: its gradient reaches S's through pred (dz), never the other way
         reverse_pass(dR0, dh_next_residual, dU_residual, run.W_residual, gated_read=True, pred=False)
@@ -1289,6 +1307,8 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
             layout.NT, HV, Dv, BC=chunk_size, BV=BV, DT=run.DT, DELTA=run.delta, VARLEN=layout.varlen,
             num_warps=run.warps)
     reverse_pass(dS0, dh_next, dU, run.W, gated_read=False, pred=residual)
+    if state_part_after:
+        local_grad()
     # dq, dk and dv are stored in their inputs' dtypes (the one rounding a cast would make), but dq
     # and dk in fp32 where a key head serves several value heads: their shares are summed first.
     grouped = HV > H
@@ -1307,12 +1327,13 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     _chunk_grad_keys_kernel[(key_tiles, layout.num_chunks, HV)](
         run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
         do, dh_next, dU, dh_next_residual, dU_residual, dz, dq, dk_keys, parts, dX_parts, *run.tables, scale,
-        **run.shape, L=L, **{**common, "BK": key_tile, "BV": keys_value_tile}, num_warps=keys_warps,
+        **run.shape, L=L, **{**common, "BK": key_tile, "BV": keys_value_tile}, DELTA=run.delta, num_warps=keys_warps,
         num_stages=keys_stages)
     _chunk_grad_values_kernel[(layout.num_chunks, HV)](
         run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dU, dU_residual, dz, dk_keys,
         parts, dX_parts, dk, dv, dg, dbeta, dgamma, dgamma_write, *run.tables, clip, **run.shape, L=L,
-        KEY_TILES=key_tiles, **common, BV=min(run.BV_full, 64), num_warps=GRAD_VALUES_WARPS, num_stages=2)
+        KEY_TILES=key_tiles, **common, DELTA=run.delta, BV=min(run.BV_full, 64), num_warps=GRAD_VALUES_WARPS,
+        num_stages=2)
     group = lambda x: x.view(L, H, HV // H, Dk).sum(2) if grouped else x  # noqa: E731  a key head's value heads
     shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
     grads = (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta))
