@@ -848,11 +848,18 @@ class _ChunkRun:
         32 sequence-heads (B1xT32768 H16, session 10) the forward's tiles of 16 beat 32: gdn's
         state kernel 816 -> 608 us, rdn's two passes 1,636 -> 1,215, sGLA 747 -> 726 us for the
         call (no segments then, against 16 and the join); from 32 on they lost (B2xT8192, gdn
-        183 -> 224). The reverse kernel's tiles of 16 have not been timed."""
+        183 -> 224). The reverse kernel's tiles of 16 have not been timed. At 128 sequence-heads
+        (B8xT2048 H16, session 13) the delta rule's reverse kernel was faster at 32 than at 64
+        (gdn 419 -> 305 us, rdn 1,058 -> 845) and the additive rule's slower (sGLA 256 -> 284,
+        RLA 702 -> 778)."""
         sequence_heads = self.layout.num_sequences * self.shape["HV"]
-        if not reverse and sequence_heads < 32:
-            return min(self.BV_full, 16)
-        return min(self.BV_full, 64 if sequence_heads >= (128 if reverse else 64) else 32)
+        if reverse:
+            wide = sequence_heads >= 128 and not self.delta
+        else:
+            if sequence_heads < 32:
+                return min(self.BV_full, 16)
+            wide = sequence_heads >= 64
+        return min(self.BV_full, 64 if wide else 32)
 
     def output(self, scale):
         o = torch.empty_like(self.v)
