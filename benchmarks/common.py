@@ -110,6 +110,20 @@ def median_ms(fn, repeats=10, warmup=2):
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def host_ms(fn, repeats=10):
+    """The host's time to issue one call in ms (Python, dispatch, launches): `repeats` calls
+    queued without waiting for the GPU, by the wall clock. Where it comes near median_ms's figure
+    the call is bound by the host, and only a lighter host side makes it faster."""
+    fn()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    elapsed = time.perf_counter() - start
+    synchronize()
+    return 1e3 * elapsed / repeats
+
+
 def lift_fla_backward_guard():
     """Let FLA 0.6.0 run its gated backward where it refuses to, for timing it.
 

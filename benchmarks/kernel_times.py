@@ -4,8 +4,9 @@ bench_forward.py says how far a rule is from its goal; this says which kernel to
 each rule and shape it runs the call (forward, or with --backward forward + backward) under
 torch.profiler and prints every kernel's GPU time per call, ours then FLA's baseline for the
 rule (the same baselines as bench_forward.py), each with its share of the kernels' total, and
-beside that total the call's own time as bench_forward.py measures it (a call slower than its
-kernels is bound by the host: Python and launches).
+beside that total the call's own time as bench_forward.py measures it and the host's time to
+issue it (a call slower than its kernels, taking about its host time, is bound by the host:
+Python and launches).
 
     python benchmarks/kernel_times.py [--shapes 8x2048 1x32768] [--rules gdn rdn] [--backward]
     python benchmarks/kernel_times.py --smoke   # tiny sizes on a CPU: checks the script runs
@@ -22,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_forward import parse_shape, rule_calls
-from common import DEVICE, RULES, import_fla, lift_fla_backward_guard, median_ms, print_header
+from common import DEVICE, RULES, host_ms, import_fla, lift_fla_backward_guard, median_ms, print_header
 
 
 def kernel_times(call, repeats):
@@ -44,16 +45,18 @@ def kernel_times(call, repeats):
 
 
 def print_times(label, call, repeats):
-    """The kernels' times, and beside their sum the call's time as bench_forward.py takes it: where
-    the call takes longer than its kernels, the host (Python, launches) is the slower side."""
+    """The kernels' times, and beside their sum the call's time as bench_forward.py takes it and
+    the host's time to issue the call: where the call takes longer than its kernels and about as
+    long as the host's part, the host (Python, launches) is the slower side."""
     times = kernel_times(call, repeats)
     total = sum(times.values())
-    print(f"  {label}: {total:8.1f} us in kernels, {1e3 * median_ms(call, repeats):8.1f} us per call")
+    print(f"  {label}: {total:8.1f} us in kernels, {1e3 * median_ms(call, repeats):8.1f} us per call, "
+          f"{1e3 * host_ms(call, repeats):8.1f} us of host to issue it")
     for name, us in times.most_common():
         print(f"    {us:8.1f} us {100 * us / total:5.1f}%  {name[:90]}")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[(8, 2048), (1, 32768)])
     parser.add_argument("--heads", type=int, default=16)
@@ -62,7 +65,7 @@ def main():
     parser.add_argument("--backward", action="store_true", help="forward + backward (a training call)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script itself")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         args.shapes, args.heads, args.dim, args.repeats, args.rules = [(1, 70)], 2, 32, 1, ["gdn", "rdn"]
     fla = import_fla()

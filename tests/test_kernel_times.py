@@ -1,0 +1,24 @@
+"""benchmarks/kernel_times.py --smoke on a CPU (Triton's interpreter): every call's line gives its
+kernels' total, its own time and the host's time to issue it, all positive."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import kernels_reslin
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")
+
+
+def test_smoke_prints_kernel_call_and_host_times(capsys):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import kernel_times
+
+    kernel_times.main(["--smoke", "--backward"])
+    pattern = r"ours: +([\d.]+) us in kernels, +([\d.]+) us per call, +([\d.]+) us of host to issue it"
+    lines = re.findall(pattern, capsys.readouterr().out)
+    assert len(lines) == 2  # gdn and rdn
+    assert all(float(x) > 0 for line in lines for x in line)
