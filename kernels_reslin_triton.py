@@ -1376,19 +1376,72 @@ def _optional(x):
     return None if x.numel() == 0 else x
 
 
+def _chunk_forward_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           gamma: Optional[torch.Tensor], gamma_write: Optional[torch.Tensor], S0: torch.Tensor,
+                           R0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], update: str, clip: float,
+                           scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chunk_forward as its op returns it, tensors only: (o, S, R, T^-1 kept for the backward)."""
+    o, S, R, inverse = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
+                                     keep_inverse=True)
+    return o, S, (_absent(S) if R is None else R), (_absent(q) if inverse is None else inverse)
+
+
+def _chunk_backward_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            gamma: Optional[torch.Tensor], gamma_write: Optional[torch.Tensor], S0: torch.Tensor,
+                            R0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
+                            dS: Optional[torch.Tensor], dR: Optional[torch.Tensor], inverse: Optional[torch.Tensor],
+                            update: str, clip: float, scale: float) -> List[torch.Tensor]:
+    """chunk_backward as its op returns it, tensors only."""
+    grads = chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, do, dS, dR,
+                           inverse=inverse)
+    return [_absent(q) if grad is None else grad for grad in grads]
+
+
+def _save_for_backward(ctx, inputs, output):
+    q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale = inputs
+    inverse = output[3]
+    ctx.mark_non_differentiable(inverse)
+    # Gradients of unused outputs arrive as None, not as zeros: T^-1 never has one, and the
+    # backward takes dS and dR as None already.
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, inverse)
+    ctx.update, ctx.clip, ctx.scale = update, clip, scale
+
+
+def _backward_through(chunk_backward_call):
+    """The chunked forward's gradient, computed by `chunk_backward_call`: the backward op where
+    torch.compile traces it, its body under eager autograd."""
+    def backward(ctx, do, dS, dR, _):
+        q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, inverse = ctx.saved_tensors
+        do = torch.zeros_like(v) if do is None else do  # o unused: only the final states carry a gradient
+        grads = chunk_backward_call(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, do, dS,
+                                    dR if gamma is not None else None, _optional(inverse), ctx.update, ctx.clip,
+                                    ctx.scale)
+        return (*(_optional(grad) for grad in grads), None, None, None, None)
+    return backward
+
+
+class _EagerChunkAttention(torch.autograd.Function):
+    """The chunked forward under eager autograd: the op's forward, saved tensors and backward
+    without the op's dispatch, which costs ~0.1 ms of host time a training call (forward and
+    backward through reslin_attention on a CPU, kernels stubbed out: sGLA 287 us through the op,
+    174 here; gdn 304 and 191)."""
+    @staticmethod
+    def forward(ctx, *inputs):  # no setup_context: apply would then bind the arguments by signature (~45 us)
+        output = _chunk_forward_tensors(*inputs)
+        _save_for_backward(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward_through(_chunk_backward_tensors))
+
+
 def _register_ops():
     ops = getattr(torch.ops, OP_NAMESPACE)
     if hasattr(ops, "chunk_forward"):  # registered by another import of this same file
         return ops.chunk_forward, ops.decode_step
 
-    @torch.library.custom_op(f"{OP_NAMESPACE}::chunk_forward", mutates_args=())
-    def chunk_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         gamma: Optional[torch.Tensor], gamma_write: Optional[torch.Tensor], S0: torch.Tensor,
-                         R0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], update: str, clip: float,
-                         scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        o, S, R, inverse = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0,
-                                         cu_seqlens, keep_inverse=True)
-        return o, S, (_absent(S) if R is None else R), (_absent(q) if inverse is None else inverse)
+    chunk_forward_op = torch.library.custom_op(f"{OP_NAMESPACE}::chunk_forward", mutates_args=())(
+        _chunk_forward_tensors)
 
     # The kernels write fresh contiguous tensors whatever the inputs' strides; the fakes must say
     # so (inductor checks the real strides against them).
@@ -1399,40 +1452,15 @@ def _register_ops():
         inverse = q.new_empty(B * T, HV, CHUNK_SIZE) if update == "delta" and gamma is None else _absent(q)
         return _contiguous_like(v), S, (_absent(S) if gamma is None else torch.empty_like(S)), inverse
 
-    @torch.library.custom_op(f"{OP_NAMESPACE}::chunk_backward", mutates_args=())
-    def chunk_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                          gamma: Optional[torch.Tensor], gamma_write: Optional[torch.Tensor], S0: torch.Tensor,
-                          R0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
-                          dS: Optional[torch.Tensor], dR: Optional[torch.Tensor], inverse: Optional[torch.Tensor],
-                          update: str, clip: float, scale: float) -> List[torch.Tensor]:
-        grads = chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, do, dS,
-                               dR, inverse=inverse)
-        return [_absent(q) if grad is None else grad for grad in grads]
+    chunk_backward_op = torch.library.custom_op(f"{OP_NAMESPACE}::chunk_backward", mutates_args=())(
+        _chunk_backward_tensors)
 
     @chunk_backward_op.register_fake
     def _(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, do, dS, dR, inverse, update, clip, scale):
         like = (q, k, v, g, beta, gamma, gamma_write, S0, R0 if gamma is not None else None)
         return [_absent(q) if x is None else _contiguous_like(x) for x in like]
 
-    def setup_context(ctx, inputs, output):
-        q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale = inputs
-        inverse = output[3]
-        ctx.mark_non_differentiable(inverse)
-        # Gradients of unused outputs arrive as None, not as zeros: T^-1 never has one, and the
-        # backward takes dS and dR as None already.
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, inverse)
-        ctx.update, ctx.clip, ctx.scale = update, clip, scale
-
-    def backward(ctx, do, dS, dR, _):
-        q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, inverse = ctx.saved_tensors
-        do = torch.zeros_like(v) if do is None else do  # o unused: only the final states carry a gradient
-        grads = chunk_backward_op(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, do, dS,
-                                  dR if gamma is not None else None, _optional(inverse), ctx.update, ctx.clip,
-                                  ctx.scale)
-        return (*(_optional(grad) for grad in grads), None, None, None, None)
-
-    chunk_forward_op.register_autograd(backward, setup_context=setup_context)
+    chunk_forward_op.register_autograd(_backward_through(chunk_backward_op), setup_context=_save_for_backward)
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::decode_step", mutates_args=("S", "R"))
     def decode_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -1452,15 +1480,18 @@ chunk_forward_op, decode_step_op = _register_ops()
 
 def chunk_attention(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens):
     """The chunked forward, differentiable: (o, S, R), R None without the residual state. Through
-    its custom op where autograd or torch.compile needs it; otherwise chunk_forward itself (the
-    op's dispatch costs tens of microseconds a call)."""
+    its custom op where torch.compile traces it, through `_EagerChunkAttention` where eager
+    autograd needs a backward, otherwise chunk_forward itself (the op's dispatch costs tens of
+    microseconds a call)."""
     inputs = (q, k, v, g, beta, gamma, gamma_write, S0, R0)
-    if torch.compiler.is_compiling() or (
-            torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)):
-        o, S, R, _ = chunk_forward_op(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip,
-                                      scale)
-        return o, S, (R if gamma is not None else None)
-    return chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens)
+    if torch.compiler.is_compiling():
+        differentiable = chunk_forward_op
+    elif torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+        differentiable = _EagerChunkAttention.apply
+    else:
+        return chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens)
+    o, S, R, _ = differentiable(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale)
+    return o, S, (R if gamma is not None else None)
 
 
 def decode_step_call(*args):

@@ -63,6 +63,23 @@ def test_custom_ops_pass_opcheck_with_strided_inputs(update, residual):
                           (*detached, None, *grads_out, kernels_reslin_triton._optional(inverse), update, 0.5, 0.25))
 
 
+@pytest.mark.parametrize("update,residual", [("delta", True), ("delta", False), ("additive", False)])
+def test_eager_autograd_function_equals_the_custom_ops(update, residual):
+    """Eager training calls skip the op's dispatch through an autograd.Function sharing the op's
+    forward, saved tensors and backward: outputs and every gradient equal the op's exactly."""
+    x = make_inputs(2, 40, 2, 2, 16, 16, residual)
+    x["gamma_write"] = x["gamma"]
+    names = ("q", "k", "v", "g", "beta", "gamma", "gamma_write", "S0", "R0")
+    results = []
+    for differentiable in (kernels_reslin_triton.chunk_forward_op, kernels_reslin_triton._EagerChunkAttention.apply):
+        leaves = [None if x[n] is None else x[n].detach().to(DEVICE).requires_grad_() for n in names]
+        o, S, R, _ = differentiable(*leaves, None, update, 0.5, 0.25)
+        loss = o.square().sum() + S.sum() + (R.sum() if residual else 0)
+        results.append([o, S] + list(torch.autograd.grad(loss, [t for t in leaves if t is not None])))
+    for got, ref in zip(*results, strict=True):
+        assert torch.equal(got, ref)
+
+
 @pytest.mark.parametrize("mixer_name", ["rdn", "gdn"])
 def test_model_training_step_compiles_without_graph_breaks(mixer_name):
     model = build_model(mixer_name, kernel_backend="triton", head_dim=16).train().to(DEVICE)
