@@ -1352,9 +1352,11 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
 # ---------------------------------------------------------------------------------------------
 # The chunked forward, its backward and the decode step as torch.library custom ops, with fake
 # implementations (shapes only), so that torch.compile traces through them without graph
-# breaks; the forward's gradient is registered as the backward op. Remote code can import this
-# file under several module names (and two checkpoints may carry different versions of it): the
-# op namespace carries a hash of the file, so that identical code shares one registration.
+# breaks; the forward's gradient is registered as the backward op. Eager autograd runs the same
+# forward, saved tensors and backward through `_EagerChunkAttention`, without the ops' dispatch.
+# Remote code can import this file under several module names (and two checkpoints may carry
+# different versions of it): the op namespace carries a hash of the file, so that identical code
+# shares one registration.
 # ---------------------------------------------------------------------------------------------
 
 def _op_namespace():
