@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 from unittest import mock
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -27,7 +26,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import kernels_reslin_triton  # noqa: E402
 from bench_forward import rule_calls  # noqa: E402
-from common import RULES  # noqa: E402
+from common import RULES, host_ms  # noqa: E402
 
 
 class _CountingLauncher:
@@ -60,10 +59,9 @@ def host_us(call, calls):
     for _ in range(5):
         call()
     _CountingLauncher.launches = 0
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    return 1e6 * (time.perf_counter() - start) / calls, _CountingLauncher.launches // calls
+    call()
+    launches = _CountingLauncher.launches
+    return 1e3 * host_ms(call, calls), launches
 
 
 def main(argv=None):
