@@ -647,12 +647,14 @@ def pipeline_stages(fp32, BK, delta, residual):
     with 2, too close). Timed on the H200 (kernel_variants, H8 D128): the forward with 2 stages
     instead of 3 was slower at B4xT4096 (gdn's state kernel 92 -> 125 us); the reverse kernel with
     3 stages gained for gdn only (186 -> 152 us), sGLA at B8xT2048 lost (140 -> 192 us), rdn's
-    did not fit. Pipelined fp32 tiles take twice the memory of bf16 ones."""
+    did not fit. Session 14, after the additive rule's reverse passes dropped dU: 3 reverse stages
+    for sGLA (B2xT8192 H16 212 -> 161 us, B1xT32768 766 -> 639; B8xT2048 116 -> 121) and RLA
+    (its passes 164 KB at 3 stages). Pipelined fp32 tiles take twice the memory of bf16 ones."""
     if fp32:
         return 1, 1
     if BK > 128:  # the state kernel's K^T, W and S tiles need 263 KB at 3 stages
         return 2, 1
-    return 3, (3 if delta and not residual else 2)
+    return 3, (2 if residual and delta else 3)
 
 
 def grad_keys_launch(delta, residual, BV_full):
@@ -848,12 +850,15 @@ class _ChunkRun:
         32 sequence-heads (B1xT32768 H16, session 10) the forward's tiles of 16 beat 32: gdn's
         state kernel 816 -> 608 us, rdn's two passes 1,636 -> 1,215, sGLA 747 -> 726 us for the
         call (no segments then, against 16 and the join); from 32 on they lost (B2xT8192, gdn
-        183 -> 224). The reverse kernel's tiles of 16 have not been timed. At 128 sequence-heads
+        183 -> 224). The reverse kernel's too, below 32 (session 14, B1xT32768 H16): sGLA 766 -> 696
+        us, RLA's two passes 3,093 -> 2,834. At 128 sequence-heads
         (B8xT2048 H16, session 13) the delta rule's reverse kernel was faster at 32 than at 64
         (gdn 419 -> 305 us, rdn 1,058 -> 845) and the additive rule's slower (sGLA 256 -> 284,
         RLA 702 -> 778)."""
         sequence_heads = self.layout.num_sequences * self.shape["HV"]
         if reverse:
+            if sequence_heads < 32:
+                return min(self.BV_full, 16)
             wide = sequence_heads >= 128 and not self.delta
         else:
             if sequence_heads < 32:
@@ -915,25 +920,31 @@ def _chunk_local_grad_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, do_ptr, dh_next_ptr
     """Every chunk at once: the part of dU that a chunk's own outputs give, scale * A^T dO with
     A = mask(Q K^T) e^(G_i - G_j) (strictly lower for the residual rules' exclusive base read),
     and R's, scale * A^T diag(gamma) dO. The reverse state kernel adds what flows through the
-    states; computed here, no Q K^T is formed in its sequential loop. For sGLA (STATE_PART) this
-    runs after the reverse pass and adds that part too, e^(G_last - G) K dh', from the stored dh'."""
+    states; computed here, no Q K^T is formed in its sequential loop. With STATE_PART (the additive
+    rule) this runs after the first reverse pass, S's for sGLA and R's for RLA, and adds that
+    state's part too, e^(G_last - G) K dh', from the dh' the pass stored (dh_next_ptr)."""
     value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, row_ok, kcols, vcols, q, k, G = _chunk_queries_keys(
         q_ptr, k_ptr, g_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, value_tile, chunk, head, T, NT, HV,
         GROUP, DK, BC, BK, BV, VARLEN)
     do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
     attend_t = tl.trans(_causal_attend(q, k, G, BC, DT))
-    if RESIDUAL:
-        gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
-        _store_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV, scale * _mm(attend_t, gamma[:, None] * do, DT))
-        r = tl.arange(0, BC)
-        attend_t = tl.where(r[:, None] < r[None, :], attend_t, 0.0)
-    dU = scale * _mm(attend_t, do, DT)
     if STATE_PART:
         h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
         dh_next = tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0)
         G_last = tl.sum(tl.where(tl.arange(0, BC) == BC - 1, G, 0.0), axis=0)  # padded rows add 0
-        dU += tl.exp(G_last - G)[:, None] * _mm(k, dh_next, DT)
+        state_part = tl.exp(G_last - G)[:, None] * _mm(k, dh_next, DT)
+    if RESIDUAL:
+        gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
+        dU_residual = scale * _mm(attend_t, gamma[:, None] * do, DT)
+        if STATE_PART:
+            dU_residual += state_part
+        _store_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV, dU_residual)
+        r = tl.arange(0, BC)
+        attend_t = tl.where(r[:, None] < r[None, :], attend_t, 0.0)
+    dU = scale * _mm(attend_t, do, DT)
+    if STATE_PART and not RESIDUAL:
+        dU += state_part
     _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
 
 
@@ -946,10 +957,10 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, W_ptr, do_ptr, 
     """One state's reverse pass. dS_ptr holds the final state's gradient on entry and the initial
     state's on exit. Stores dh' of every chunk. With WHOLE_DU, dU_ptr holds the chunks' own parts
     of dU on entry (`_chunk_local_grad_kernel`, and for S of the residual rules pred's -P^T dz,
-    `_chunk_residual_grad_kernel`) and the whole dU on exit; without (sGLA, whose dh never reads
-    dU), the local grad kernel adds dU's state part afterwards. R's pass reads gamma dO
-    (GATED_READ); S's pass of the residual rules (PRED) adds pred's reading of the chunk-start
-    state, -(e^(G_prev) K)^T dz."""
+    `_chunk_residual_grad_kernel`) and the whole dU on exit; without (the additive rule, whose dh
+    never reads dU), a later kernel adds dU's state part (`chunk_backward` says which). R's
+    pass reads gamma dO (GATED_READ); S's pass of the residual rules (PRED) adds pred's reading of
+    the chunk-start state, -(e^(G_prev) K)^T dz."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, first_chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -1184,20 +1195,27 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
 
 @triton.jit
 def _chunk_grad_values_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X_ptr, X_residual_ptr,
-                              z_ptr, dU_ptr, dU_residual_ptr, dz_ptr, dk_keys_ptr, parts_ptr, dX_parts_ptr,
-                              dk_ptr, dv_ptr, dg_ptr, dstrength_ptr, dgamma_ptr, dresidual_strength_ptr,
+                              z_ptr, dh_next_ptr, dU_ptr, dU_residual_ptr, dz_ptr, dk_keys_ptr, parts_ptr,
+                              dX_parts_ptr, dk_ptr, dv_ptr, dg_ptr, dstrength_ptr, dgamma_ptr, dresidual_strength_ptr,
                               cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, clip, T, NT, L, HV, GROUP, DK, DV,
                               KEY_TILES: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                               DT: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr,
-                              VARLEN: tl.constexpr):
+                              STATE_PART: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk and value head, after `_chunk_grad_keys_kernel`: dv, the gates' gradients (the
     key tiles' parts summed), and for the delta rule dk's part through X = (I + A)^-1 (and X_R),
-    added to the key tiles' dk_keys."""
+    added to the key tiles' dk_keys. With STATE_PART (RLA, whose S pass leaves dU without it,
+    no kernel before this one reading it) dU's state part e^(G_last - G) K dh' is added here."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     r = tl.arange(0, BC)
     rows = start + r
     row_ok = rows < end
+    if STATE_PART:
+        kcols = tl.arange(0, BK)
+        k_state = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+        G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
+        G_last = tl.sum(tl.where(r == BC - 1, G, 0.0), axis=0)  # padded rows add 0
+        to_chunk_end = tl.exp(G_last - G)
     strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
     dG = _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 0, BC)
     dstrength = tl.zeros([BC], dtype=tl.float32)
@@ -1216,6 +1234,9 @@ def _chunk_grad_values_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_streng
         vcols = value_start + tl.arange(0, BV)
         v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
         dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV)
+        if STATE_PART:
+            h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
+            dU += to_chunk_end[:, None] * _mm(k_state, tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0), DT)
         if DELTA:
             dV_scaled = _mm(tl.trans(X), dU, DT)  # the gradient of diag(b) V
             dX += _mm(dU, tl.trans(strength[:, None] * v), DT)
@@ -1286,14 +1307,16 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     gates = (run.beta, read_gate, run.gamma_write)
     common = dict(BC=chunk_size, BK=run.BK, DT=run.DT, RESIDUAL=residual, VARLEN=layout.varlen)
     BV = min(run.BV_full, 64)
-    # sGLA's reverse pass carries dh' alone (its dh never reads dU): dU's state part joins its
-    # local part afterwards, every chunk at once, which keeps the sequential loop short.
-    state_part_after = not (run.delta or residual)
+    # The additive rule's reverse passes carry dh' alone (its dh never reads dU), which keeps the
+    # sequential loop short; a state's part of dU joins the rest afterwards, every chunk at once:
+    # the first pass's (sGLA's S, RLA's R) in the local-grad kernel run after it, RLA's S's in the
+    # values kernel, the only one reading dU after it.
+    state_part_after = not run.delta
 
     def local_grad():
         _chunk_local_grad_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
-            run.q, run.k, run.g, read_gate, do, dh_next, dU, dU_residual, *run.tables, scale, **run.shape, BV=BV,
-            **common, STATE_PART=state_part_after, num_warps=run.warps)
+            run.q, run.k, run.g, read_gate, do, dh_next_residual if residual else dh_next, dU, dU_residual,
+            *run.tables, scale, **run.shape, BV=BV, **common, STATE_PART=state_part_after, num_warps=run.warps)
 
     if not state_part_after:
         local_grad()
@@ -1306,6 +1329,8 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
             layout.chunk_offsets, scale, **run.shape, BV=reverse_tile, BC=chunk_size, BK=run.BK, DT=run.DT,
             DELTA=run.delta, GATED_READ=gated_read, PRED=pred, WHOLE_DU=not state_part_after, VARLEN=layout.varlen,
             num_warps=run.warps, num_stages=run.backward_stages)
+        if state_part_after and not pred:
+            local_grad()
 
     if residual:  # R's pass first: its gradient reaches S's through pred (dz), never the other way
         reverse_pass(dR0, dh_next_residual, dU_residual, run.W_residual, gated_read=True, pred=False)
@@ -1314,8 +1339,6 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
             layout.NT, HV, Dv, BC=chunk_size, BV=BV, DT=run.DT, DELTA=run.delta, VARLEN=layout.varlen,
             num_warps=run.warps)
     reverse_pass(dS0, dh_next, dU, run.W, gated_read=False, pred=residual)
-    if state_part_after:
-        local_grad()
     # dq, dk and dv are stored in their inputs' dtypes (the one rounding a cast would make), but dq
     # and dk in fp32 where a key head serves several value heads: their shares are summed first.
     grouped = HV > H
@@ -1337,10 +1360,10 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         **run.shape, L=L, **{**common, "BK": key_tile, "BV": keys_value_tile}, DELTA=run.delta, num_warps=keys_warps,
         num_stages=keys_stages)
     _chunk_grad_values_kernel[(layout.num_chunks, HV)](
-        run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dU, dU_residual, dz, dk_keys,
-        parts, dX_parts, dk, dv, dg, dbeta, dgamma, dgamma_write, *run.tables, clip, **run.shape, L=L,
-        KEY_TILES=key_tiles, **common, DELTA=run.delta, BV=min(run.BV_full, 64), num_warps=GRAD_VALUES_WARPS,
-        num_stages=2)
+        run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dh_next, dU, dU_residual, dz,
+        dk_keys, parts, dX_parts, dk, dv, dg, dbeta, dgamma, dgamma_write, *run.tables, clip, **run.shape, L=L,
+        KEY_TILES=key_tiles, **common, DELTA=run.delta, STATE_PART=state_part_after and residual,
+        BV=min(run.BV_full, 64), num_warps=GRAD_VALUES_WARPS, num_stages=2)
     group = lambda x: x.view(L, H, HV // H, Dk).sum(2) if grouped else x  # noqa: E731  a key head's value heads
     shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
     grads = (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta))

@@ -62,15 +62,16 @@ def launches(BK, BV_full, delta, residual, fp32):
         (kernels._chunk_segment_starts_kernel, dict(BK=BK, BV=state_tile), warps, 3),
         (kernels._chunk_state_join_kernel, dict(BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, stages),
-        (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STATE_PART=not (delta or residual)),
+        (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STATE_PART=not delta),
          warps, 3),
         # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz.
         *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile, GATED_READ=gated, PRED=pred,
-                                                       WHOLE_DU=delta or residual),
+                                                       WHOLE_DU=delta),
            warps, backward_stages) for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
         (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
         (kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=keys_value_tile), keys_warps, keys_stages),
-        (kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64)),
+        (kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64),
+                                                   STATE_PART=residual and not delta),
          kernels.GRAD_VALUES_WARPS, 2),
     ]
 
