@@ -45,7 +45,6 @@ UPDATE_RULES = ("delta", "additive")
 BACKENDS = ("auto", "torch", "triton", "recurrent")
 MAX_HEAD_DIM = 256
 CHUNKED_HEAD_DIM_MULTIPLE = 16
-CHUNKED_VERIFIED_MAX_HEAD_DIM = 128
 
 
 def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend):
@@ -136,7 +135,7 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
         without gamma), or None unless output_final_state.
     """
     _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend)
-    backend = _resolve_backend(backend, q, v, update, gamma is not None, cu_seqlens, q, k, v, g, beta, gamma, gamma_write,
+    backend = _resolve_backend(backend, q, v, cu_seqlens, q, k, v, g, beta, gamma, gamma_write,
                                *(initial_state or ()))
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
@@ -166,7 +165,7 @@ def reslin_decode_step(q, k, v, g, beta, state, gamma=None, gamma_write=None, up
     for name, x in (("S", S), ("R", R)):
         if x is not None and (x.dtype != torch.float32 or not x.is_contiguous()):
             raise ValueError(f"state {name} must be a contiguous fp32 tensor, got {x.dtype}")
-    backend = _resolve_backend(backend, q, v, update, gamma is not None, None, q, k, v, g, beta, gamma, gamma_write, S, R)
+    backend = _resolve_backend(backend, q, v, None, q, k, v, g, beta, gamma, gamma_write, S, R)
     o, S_next, R_next = _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S, R, None)
     if S_next is not S:  # the torch backends return new states; the Triton kernel wrote in place
         S.copy_(S_next)
@@ -202,21 +201,18 @@ def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
-def _resolve_backend(backend, q, v, update, residual, cu_seqlens, *tensors):
+def _resolve_backend(backend, q, v, cu_seqlens, *tensors):
     """The concrete backend for this call: "auto" takes Triton where a Triton kernel applies.
     ``tensors``: every input and state, to tell whether autograd needs a backward."""
     grad = _needs_grad(*tensors)
     # One token without a gradient takes the decode kernel; everything else the chunked kernels.
     decode = q.shape[1] == 1 and cu_seqlens is None and not grad
-    # The chunked kernels take head sizes in multiples of CHUNKED_HEAD_DIM_MULTIPLE, and at most
-    # CHUNKED_VERIFIED_MAX_HEAD_DIM with the residual state or for the delta rule's backward. On the
-    # H200 a key head size of 100 gave wrong outputs and illegal addresses (48, 64, 72, 80, 128, 256
-    # were right), the residual rules at 256 did too, and the delta rule's backward at 256 gave dk
-    # 7e-2 off, while Triton's interpreter computes them all right: not yet understood.
-    limited = residual or (update == "delta" and grad)
-    max_head_dim = CHUNKED_VERIFIED_MAX_HEAD_DIM if limited else MAX_HEAD_DIM
-    head_sizes_fit = all(x.shape[-1] % CHUNKED_HEAD_DIM_MULTIPLE == 0 and x.shape[-1] <= max_head_dim
-                         for x in (q, v))
+    # The chunked kernels take head sizes in multiples of CHUNKED_HEAD_DIM_MULTIPLE: on the H200 a
+    # key head size of 100 gave wrong outputs and illegal addresses (48, 64, 72, 80, 128, 256 were
+    # right), while Triton's interpreter computes it right: not yet understood. Every rule runs at
+    # 256, forward and backward (refused from session 4, when the fused two-state kernels of the
+    # time gave wrong values there, to session 14, which measured the one-state passes right).
+    head_sizes_fit = all(x.shape[-1] % CHUNKED_HEAD_DIM_MULTIPLE == 0 for x in (q, v))
     if backend == "auto":
         triton_applies = triton_decode_step is not None and q.is_cuda
         return "triton" if triton_applies and (decode or head_sizes_fit) else "torch"
@@ -227,9 +223,7 @@ def _resolve_backend(backend, q, v, update, residual, cu_seqlens, *tensors):
             raise ValueError(f"backend='triton' runs on CUDA tensors (or in Triton's interpreter, "
                              f"TRITON_INTERPRET=1), got tensors on {q.device}")
         if not (decode or head_sizes_fit):
-            why = " with the residual state" if residual else " for the delta rule's backward" if limited else ""
             raise ValueError(f"the chunked Triton kernels take head sizes that are multiples of "
-                             f"{CHUNKED_HEAD_DIM_MULTIPLE}, at most {CHUNKED_VERIFIED_MAX_HEAD_DIM} with the "
-                             f"residual state or for the delta rule's backward; got Dk = {q.shape[-1]}, "
-                             f"Dv = {v.shape[-1]}{why}: use backend='torch' or 'auto'")
+                             f"{CHUNKED_HEAD_DIM_MULTIPLE}; got Dk = {q.shape[-1]}, Dv = {v.shape[-1]}: "
+                             f"use backend='torch' or 'auto'")
     return backend
