@@ -17,8 +17,7 @@ the caller. RKLA gives its residual state the Kaczmarz step too: it writes R wit
 gamma_write = gamma_t / (||k_t||^2 + eps) and reads it with gamma_t (see reslin_attention).
 Backends: "recurrent" (per-token fp32 reference), "torch" (chunked, fp32 accumulation),
 "triton" (the one-token decode kernel; the chunked forward for head sizes that are multiples
-of 16, with its backward; at most 128 with the residual state or for the delta rule's
-backward), "auto" (Triton on CUDA where the head sizes allow; "torch"
+of 16, with its backward), "auto" (Triton on CUDA where the head sizes allow; "torch"
 elsewhere). ``reslin_decode_step`` advances a generation cache's states in place by one token.
 """
 
