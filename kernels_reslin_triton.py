@@ -462,9 +462,11 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
         G = tl.cumsum(g, axis=0)
         G_last = tl.sum(g, axis=0)  # padded rows add 0: the last real token's cumulative decay
-        if BOTH_STATES:
+        if BOTH_STATES:  # K for pred; its transpose for the advance without a second load
             k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-        k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+            k_t = tl.trans(k)
+        else:
+            k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         if DELTA:
             W = _load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)
             U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32) - _mm(W, S, DT)
@@ -869,7 +871,10 @@ class _ChunkRun:
     def output(self, scale):
         o = torch.empty_like(self.v)
         HV, Dv = self.v.shape[1:]
-        BV = min(self.BV_full, 64)
+        # The residual rules' reads share Q K^T, formed once a value tile: whole value rows form it
+        # once (H200, H16 D128, session 14: rla 216 -> 190 us at B2xT8192, rdn 406 -> 370 at
+        # B1xT32768). Not at D256, whose tiles of 128 need 213 KB of shared memory and are untimed.
+        BV = min(self.BV_full, 128 if self.residual and self.BK <= 128 else 64)
         _chunk_output_kernel[(_cdiv(Dv, BV), self.layout.num_chunks, HV)](
             self.q, self.k, self.v, self.g, self.beta, self.U, self.h, self.gamma if self.residual else self.g,
             self.U_residual, self.h_residual, o, *self.tables, scale, **self.shape, BC=self.chunk_size, BK=self.BK,
