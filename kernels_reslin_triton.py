@@ -858,14 +858,9 @@ class _ChunkRun:
         (gdn 419 -> 305 us, rdn 1,058 -> 845) and the additive rule's slower (sGLA 256 -> 284,
         RLA 702 -> 778)."""
         sequence_heads = self.layout.num_sequences * self.shape["HV"]
-        if reverse:
-            if sequence_heads < 32:
-                return min(self.BV_full, 16)
-            wide = sequence_heads >= 128 and not self.delta
-        else:
-            if sequence_heads < 32:
-                return min(self.BV_full, 16)
-            wide = sequence_heads >= 64
+        if sequence_heads < 32:
+            return min(self.BV_full, 16)
+        wide = sequence_heads >= 128 and not self.delta if reverse else sequence_heads >= 64
         return min(self.BV_full, 64 if wide else 32)
 
     def output(self, scale):
