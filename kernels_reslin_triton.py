@@ -167,6 +167,9 @@ GRAM_WARPS = 1
 PARALLEL_PROGRAMS = 1024
 MIN_SEGMENT_CHUNKS = 16
 MIN_SEGMENTS = 16
+# `_chunk_state_scan_kernel`: state elements a program, and chunks folded at a time.
+SCAN_BLOCK = 128
+SCAN_CHUNKS = 16
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -261,6 +264,14 @@ def _decayed(gram, G_i, G_j, DIAGONAL: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.arange(0, BLOCK)
         log_decay = tl.where(r[:, None] > r[None, :], log_decay, float("-inf"))
     return tl.exp(log_decay) * gram
+
+
+@triton.jit
+def _lower_decay(G, BC: tl.constexpr):
+    """e^(G_i - G_j) for j <= i, 0 above the diagonal (masked before the exponential, which
+    would overflow there)."""
+    r = tl.arange(0, BC)
+    return tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf")))
 
 
 @triton.jit
@@ -415,9 +426,15 @@ def _clipped_residual(k, v, h, U, P, G_prev, clip, z_ptr, rows, row_ok, head, HV
 
 
 @triton.jit
+def _added(k_t, G, G_last, U, DT: tl.constexpr):
+    """What a chunk's writes U add to the state by its end: (e^(G_last - G) K)^T U."""
+    return _mm(k_t, tl.exp(G_last - G)[:, None] * U, DT)
+
+
+@triton.jit
 def _advanced(S, k_t, G, G_last, U, DT: tl.constexpr):
     """A state at the chunk's end from its start: e^(G_last) S + (e^(G_last - G) K)^T U."""
-    return tl.exp(G_last) * S + _mm(k_t, tl.exp(G_last - G)[:, None] * U, DT)
+    return tl.exp(G_last) * S + _added(k_t, G, G_last, U, DT)
 
 
 @triton.jit
@@ -486,6 +503,67 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
     tl.store(S_ptr + state_offsets, S, mask=tile_ok)
     if BOTH_STATES:
         tl.store(R_ptr + state_offsets, R, mask=tile_ok)
+
+
+@triton.jit
+def _chunk_local_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, h_ptr, chunk_decay_ptr, cu_seqlens_ptr,
+                              chunk_seq_ptr, chunk_offsets_ptr, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
+                              BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, VARLEN: tl.constexpr):
+    """Every chunk at once (the additive rule, whose writes do not read the state): what the chunk
+    adds to the state by its end, (e^(G_last - G) K)^T diag(b) V, stored in h, and its log decay
+    G_last, for `_chunk_state_scan_kernel`."""
+    value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    rows = start + tl.arange(0, BC)
+    row_ok = rows < end
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+    U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
+        _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+    h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
+    G_last = tl.sum(g, axis=0)
+    tl.store(h_ptr + h_offsets, _added(k_t, tl.cumsum(g, axis=0), G_last, U, DT).to(DT), mask=tile_ok)
+    if value_tile == 0:
+        tl.store(chunk_decay_ptr + chunk.to(tl.int64) * HV + head, G_last)
+
+
+@triton.jit
+def _chunk_state_scan_kernel(chunk_decay_ptr, h_ptr, S_ptr, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, HV, DK, DV,
+                             BC: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
+                             VARLEN: tl.constexpr):
+    """The chunk-start states of one (sequence, value head), BLOCK of the state's elements a
+    program: h holds what each chunk adds on entry (`_chunk_local_state_kernel`, each chunk's log
+    decay in chunk_decay), its start state on exit. CHUNKS chunks at a time from the state S
+    before them, the chunked read one level up: with L_i the log decay from S to chunk i's end,
+    chunk i ends at e^(L_i) S + sum_{j <= i} e^(L_i - L_j) added_j (never e^(-L_j): no overflow,
+    no division by a decay). No product with the whole state in the loop, and CHUNKS chunks'
+    loads in flight at once. S_ptr holds the initial state on entry, the final one on exit."""
+    block, seq_head = tl.program_id(0), tl.program_id(1)
+    seq, head = seq_head // HV, seq_head % HV
+    bos, eos, first_chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
+    elements = block * BLOCK + tl.arange(0, BLOCK)
+    element_ok = elements < DK * DV
+    state_offsets = seq_head.to(tl.int64) * DK * DV + elements
+    S = tl.load(S_ptr + state_offsets, mask=element_ok, other=0.0)
+    steps = tl.arange(0, CHUNKS)
+    num_chunks = tl.cdiv(eos - bos, BC)
+    for first in range(0, num_chunks, CHUNKS):
+        chunks = first + steps
+        chunk_ok = chunks < num_chunks  # past the sequence: no decay, nothing added
+        offsets = ((first_chunk + chunks) * HV + head)[:, None] * DK * DV + elements[None, :]
+        ok = chunk_ok[:, None] & element_ok[None, :]
+        added = tl.load(h_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+        decay = tl.load(chunk_decay_ptr + (first_chunk + chunks) * HV + head, mask=chunk_ok, other=0.0)
+        L = tl.cumsum(decay, axis=0)
+        ends = tl.exp(L)[:, None] * S[None, :] + _mm_fp32(_lower_decay(L, CHUNKS), added, DT)
+        # Chunk i starts from chunk i - 1's end, the first from S; the last end carries on.
+        tl.store(h_ptr + offsets, tl.broadcast_to(S[None, :], (CHUNKS, BLOCK)).to(DT),
+                 mask=ok & (steps == 0)[:, None])
+        tl.store(h_ptr + offsets + HV * DK * DV, ends.to(DT),
+                 mask=ok & ((chunks + 1 < num_chunks) & (steps < CHUNKS - 1))[:, None])
+        S = tl.sum(tl.where((steps == CHUNKS - 1)[:, None], ends, 0.0), axis=0)
+    tl.store(S_ptr + state_offsets, S, mask=element_ok)
 
 
 @triton.jit
@@ -580,9 +658,7 @@ def _chunk_queries_keys(q_ptr, k_ptr, g_ptr, cu_seqlens_ptr, chunk_seq_ptr, chun
 @triton.jit
 def _causal_attend(q, k, G, BC: tl.constexpr, DT: tl.constexpr):
     """mask(Q K^T) e^(G_i - G_j), the diagonal included: how a chunk's rows read its own writes."""
-    r = tl.arange(0, BC)
-    return tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf"))) * \
-        _mm(q, tl.trans(k), DT)
+    return _lower_decay(G, BC) * _mm(q, tl.trans(k), DT)
 
 
 @triton.jit
@@ -746,7 +822,9 @@ class _ChunkRun:
             self.R = self.S
             return
         # R's writes (and z) need S's chunk-start states h, not R: every chunk at once, then R's pass.
-        writes = torch.empty(L, HV, Dv, device=q.device, dtype=torch.float32)
+        # In the input dtype, as S's U0 is (H200, H16 D128, session 15: rdn's forward 1,090 -> 1,049
+        # us at B2xT8192, its writes kernel 379 -> 336 at B1xT32768; rla 598 -> 538 at B8xT2048).
+        writes = torch.empty(L, HV, Dv, device=q.device, dtype=q.dtype)
         BV = min(self.BV_full, 64)
         _chunk_residual_writes_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
             k, v, g, beta, self.gamma_write, self.U, self.h, self.P, self.X_residual, self.z, writes, self.U_residual,
@@ -778,6 +856,8 @@ class _ChunkRun:
         strength for the additive rule, U0 and W for the delta rule), storing h and, for the delta
         rule, U. Returns the final state."""
         layout = self.layout
+        if self.scans_states():
+            return self.advance_by_scan(initial, v, strength, h)
         segments = self.state_segments()
         if segments > 1:
             return self.advance_in_segments(initial, segments, v, strength, W, U0, U, h)
@@ -796,6 +876,31 @@ class _ChunkRun:
             self.h_residual, residual_states if both else states, cu_seqlens, chunk_offsets, self.clip, **self.shape,
             BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta, BOTH_STATES=both,
             STORE_Z=store_z, VARLEN=varlen, num_warps=self.warps, num_stages=self.stages)
+
+    def scans_states(self):
+        """Whether the additive rule's state passes run as every chunk's own writes at once, then a
+        scan over the chunks (`advance_by_scan`) instead of `_chunk_state_kernel`, whose sequential
+        loop forms a product every chunk: below 32 sequence-heads, where that loop runs on few
+        programs for many chunks (H200, H16 D128, session 15: sGLA's forward at B1xT32768 758 ->
+        605 us, its state passes 478 -> 322; RLA's fused pass stays: unfused with two scans it ran
+        1,447 -> 1,485)."""
+        return not self.delta and self.layout.num_sequences * self.shape["HV"] < 32
+
+    def advance_by_scan(self, initial, v, strength, h):
+        """One additive state's pass from `initial` over the writes diag(strength) v: what every chunk
+        adds (`_chunk_local_state_kernel`, into h), then the scan that turns it into the chunk-start
+        states (`_chunk_state_scan_kernel`). Returns the final state."""
+        layout, HV, Dk, Dv = self.layout, self.shape["HV"], self.shape["DK"], self.shape["DV"]
+        BV = min(self.BV_full, 64)
+        chunk_decay = torch.empty(layout.num_chunks, HV, device=h.device, dtype=torch.float32)
+        _chunk_local_state_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
+            self.k, v, self.g, strength, h, chunk_decay, *self.tables, **self.shape, BC=self.chunk_size, BK=self.BK,
+            BV=BV, DT=self.DT, VARLEN=layout.varlen, num_warps=self.warps)
+        final = initial.clone(memory_format=torch.contiguous_format)  # the scan advances it in place
+        _chunk_state_scan_kernel[(_cdiv(Dk * Dv, SCAN_BLOCK), layout.num_sequences * HV)](
+            chunk_decay, h, final, layout.cu_seqlens, layout.chunk_offsets, layout.T, layout.NT, HV, Dk, Dv,
+            BC=self.chunk_size, CHUNKS=SCAN_CHUNKS, BLOCK=SCAN_BLOCK, DT=self.DT, VARLEN=layout.varlen, num_warps=4)
+        return final
 
     def state_segments(self):
         """Segments each sequence's state recurrence is split into (1: not split). Few long
@@ -866,10 +971,10 @@ class _ChunkRun:
     def output(self, scale):
         o = torch.empty_like(self.v)
         HV, Dv = self.v.shape[1:]
-        # The residual rules' reads share Q K^T, formed once a value tile: whole value rows form it
-        # once (H200, H16 D128, session 14: rla 216 -> 190 us at B2xT8192, rdn 406 -> 370 at
-        # B1xT32768). Not at D256, whose tiles of 128 need 213 KB of shared memory and are untimed.
-        BV = min(self.BV_full, 128 if self.residual and self.BK <= 128 else 64)
+        # Q K^T is formed once a value tile: whole value rows form it once (H200, H16 D128, session
+        # 14: rla 216 -> 190 us at B2xT8192, rdn 406 -> 370 at B1xT32768; session 15: sGLA 278 ->
+        # 263 at B1xT32768). Not at D256, whose tiles of 128 need 213 KB of shared memory, untimed.
+        BV = min(self.BV_full, 128 if self.BK <= 128 else 64)
         _chunk_output_kernel[(_cdiv(Dv, BV), self.layout.num_chunks, HV)](
             self.q, self.k, self.v, self.g, self.beta, self.U, self.h, self.gamma if self.residual else self.g,
             self.U_residual, self.h_residual, o, *self.tables, scale, **self.shape, BC=self.chunk_size, BK=self.BK,
@@ -990,8 +1095,13 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, W_ptr, do_ptr, 
         dh = tl.exp(G_last) * dh + scale * _mm(q_t, tl.exp(G)[:, None] * do, DT)
         if PRED:
             dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
-            dh -= _mm(_load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK),
-                      tl.exp(G - g)[:, None] * dz, DT)
+            # K is loaded already: its transpose, not a second load (shared memory 189 -> 156 KB;
+            # H200, H16 D128, session 15: RDN's backward call 4,599 -> 4,547 us at B8xT2048).
+            if WHOLE_DU:
+                k_t = tl.trans(k)
+            else:
+                k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+            dh -= _mm(k_t, tl.exp(G - g)[:, None] * dz, DT)
         if DELTA:
             dh -= _mm(_load_columns(W_ptr, rows, row_ok, head, HV, kcols, DK), dU, DT)
     tl.store(dS_ptr + state_offsets, dh, mask=tile_ok)

@@ -205,6 +205,37 @@ def test_residual_additive_states_in_one_pass_or_two_match_reference(case, one_p
         assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
 
 
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "sequential"])
+@pytest.mark.parametrize("case,decay", [(GRAD_CASES[0], 1), (GRAD_CASES[1], 1), (GRAD_CASES[-1], 1),
+                                        ((1, 200, 1, 2, 16, 16, None), 8)],
+                         ids=["batch", "varlen", "d256", "strong_decay"])
+@pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "additive"])
+def test_additive_states_by_scan_or_sequential_kernel_match_reference(name, update, residual, kaczmarz, case, decay,
+                                                                      scan, monkeypatch):
+    """The additive rule's state passes run as every chunk's writes at once and a scan over the
+    chunks below 32 sequence-heads, the sequential state kernel from there on
+    (`_ChunkRun.scans_states`): each way forced here, RLA in two passes, the scan over 2 chunks at
+    a time (so that it carries a state between its steps). With 8x the log decay over whole
+    chunks, e^(L_j - L_i) from a chunk to an earlier one overflows fp32. Outputs, final states and
+    every gradient against the reference: relative error <= 1e-5 in fp32."""
+    scans = []
+    for module in [m for name, m in sys.modules.items() if name.rpartition(".")[2] == "kernels_reslin_triton"]:
+        monkeypatch.setattr(module, "SCAN_CHUNKS", 2)
+        monkeypatch.setattr(module._ChunkRun, "scans_states", lambda run: scan)
+        monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: False)
+        monkeypatch.setattr(module._ChunkRun, "advance_by_scan",
+                            lambda run, *args, original=module._ChunkRun.advance_by_scan:
+                            scans.append(True) or original(run, *args))
+    x, cu_seqlens = case_inputs(case, residual, kaczmarz)
+    x["g"] = x["g"] * decay
+    labels, ref = outputs_and_gradients(x, update, residual, cu_seqlens, "recurrent")
+    _, got = outputs_and_gradients(x, update, residual, cu_seqlens, "triton")
+    # S's pass (and R's), in the forward and in the backward's recompute
+    assert scans == ([True] * (4 if residual else 2) if scan else [])
+    for label, a, b in zip(labels, got, ref):
+        assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
+
+
 @pytest.mark.parametrize("programs,segments", [(16, 4), (24, 6)])
 @pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "additive"])
 def test_additive_states_split_into_segments_match_reference(name, update, residual, kaczmarz, programs, segments,
@@ -222,6 +253,7 @@ def test_additive_states_split_into_segments_match_reference(name, update, resid
         monkeypatch.setattr(module, "MIN_SEGMENTS", 2)
         monkeypatch.setattr(module, "PARALLEL_PROGRAMS", programs)  # 4 programs run a sequence's tiles here
         monkeypatch.setattr(module, "MIN_SEGMENT_CHUNKS", 1)
+        monkeypatch.setattr(module._ChunkRun, "scans_states", lambda run: False)
         monkeypatch.setattr(module._ChunkRun, "advance_in_segments",
                             lambda run, initial, segments, *writes, original=module._ChunkRun.advance_in_segments:
                             split.append(segments) or original(run, initial, segments, *writes))

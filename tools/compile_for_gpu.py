@@ -59,6 +59,9 @@ def launches(BK, BV_full, delta, residual, fp32):
         # RLA's two passes in one (below 64 sequence-heads, so tiles of 16 or 32), forward and recompute.
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), BOTH_STATES=True, STORE_Z=store_z),
            warps, stages) for store_z in (False, True)],
+        # The additive rule's passes below 32 sequence-heads: every chunk's writes, then the scan.
+        (kernels._chunk_local_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
+        (kernels._chunk_state_scan_kernel, dict(BC=64, CHUNKS=kernels.SCAN_CHUNKS, BLOCK=kernels.SCAN_BLOCK), 4, 3),
         (kernels._chunk_segment_starts_kernel, dict(BK=BK, BV=state_tile), warps, 3),
         (kernels._chunk_state_join_kernel, dict(BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 128 if residual and BK <= 128 else 64)),
@@ -191,8 +194,9 @@ def main():
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
                         if not delta and fn is kernels._chunk_wy_kernel or \
                                 not (delta or residual) and fn is kernels._chunk_gram_kernel or \
-                                delta and fn in (kernels._chunk_segment_starts_kernel,
-                                                 kernels._chunk_state_join_kernel) or \
+                                delta and fn in (kernels._chunk_segment_starts_kernel, kernels._chunk_state_join_kernel,
+                                                 kernels._chunk_local_state_kernel,
+                                                 kernels._chunk_state_scan_kernel) or \
                                 not residual and fn in (kernels._chunk_residual_writes_kernel,
                                                         kernels._chunk_residual_grad_kernel) or \
                                 constexprs.get("BOTH_STATES") and (delta or not residual):
