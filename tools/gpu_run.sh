@@ -9,7 +9,7 @@
 # DEVELOPMENT.md), into /tmp/site, never into the machine's environment.
 #
 # Jobs (limit in seconds):
-#   tests        pytest -m gpu: the GPU tests (600)
+#   tests        pytest -m gpu: the GPU tests, 4 workers (560)
 #   suite        the whole test suite, compiled kernels (600)
 #   layers       the fused layer kernels' tests and the PEFT tests, all of them compiled (240)
 #   convert      the conversion test against FLA's GPU kernels (300)
@@ -59,7 +59,7 @@ done
 summary=()
 for name in "$@"; do
   case $name in
-    tests) job tests 600 python3 -m pytest -q -n 3 -p no:cacheprovider -m gpu ;;
+    tests) job tests 560 python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu ;;
     suite) job suite 600 python3 -m pytest -q -n 6 -p no:cacheprovider ;;
     layers) job layers 240 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_layers_triton.py tests/test_peft.py ;;
     convert) job convert 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_convert.py -k gpu_bf16 ;;
