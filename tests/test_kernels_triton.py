@@ -215,12 +215,13 @@ def test_additive_states_by_scan_or_sequential_kernel_match_reference(name, upda
     """The additive rule's state passes run as every chunk's writes at once and a scan over the
     chunks below 32 sequence-heads, the sequential state kernel from there on
     (`_ChunkRun.scans_states`): each way forced here, RLA in two passes, the scan over 2 chunks at
-    a time (so that it carries a state between its steps). With 8x the log decay over whole
+    a time in the interpreter (so that it carries a state between its steps; compiled, its dot
+    takes 16 rows at least, and test_gpu's long sequences carry it). With 8x the log decay over whole
     chunks, e^(L_j - L_i) from a chunk to an earlier one overflows fp32. Outputs, final states and
     every gradient against the reference: relative error <= 1e-5 in fp32."""
     scans = []
     for module in [m for name, m in sys.modules.items() if name.rpartition(".")[2] == "kernels_reslin_triton"]:
-        monkeypatch.setattr(module, "SCAN_CHUNKS", 2)
+        monkeypatch.setattr(module, "SCAN_CHUNKS", 2 if DEVICE == "cpu" else 16)
         monkeypatch.setattr(module._ChunkRun, "scans_states", lambda run: scan)
         monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: False)
         monkeypatch.setattr(module._ChunkRun, "advance_by_scan",
