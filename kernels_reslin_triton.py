@@ -142,12 +142,16 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 #       few (sequence, head) pairs, the state kernel does all three in one pass (BOTH_STATES);
 #   _chunk_output_kernel, every chunk at once: o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U,
 #       for the residual rules the exclusive base read plus gamma times R's read.
-# Few long sequences of the additive rule (sGLA, RLA) leave most SMs idle along the state loop:
-# it runs on segments of each sequence side by side from zero states,
-# _chunk_segment_starts_kernel carries the segments' end states into their true start states,
-# and _chunk_state_join_kernel adds them, decayed, to every chunk-start state at once (S is
-# linear in its start state); RLA then runs R's pass the same way, its writes read from the
-# joined h (_ChunkRun.state_segments says when, and why not for the delta rule).
+# Few long sequences of the additive rule (sGLA, RLA) leave most SMs idle along the state loop.
+# Below 32 (sequence, head) pairs (_ChunkRun.scans_states) its passes run as
+# _chunk_local_state_kernel, every chunk's own addition to the state at once, then
+# _chunk_state_scan_kernel, which turns them into the chunk-start states a few chunks a step with
+# no product with the state. Otherwise, where few programs would still run the loop, it runs on
+# segments of each sequence side by side from zero states, _chunk_segment_starts_kernel carries
+# the segments' end states into their true start states, and _chunk_state_join_kernel adds them,
+# decayed, to every chunk-start state at once (S is linear in its start state); RLA then runs R's
+# pass the same way, its writes read from the joined h (_ChunkRun.state_segments says when, and
+# why not for the delta rule).
 # Precision: states, decays and the inverse's blocks in fp32 (merged with tf32 dots for bf16/fp16
 # inputs); the large dots take their operands in the input dtype (bf16/fp16 tensor cores, fp32
 # accumulation); everything is exact fp32 ("ieee") for fp32 inputs. T^-1, P, W, U0, U and h are

@@ -64,7 +64,7 @@ def launches(BK, BV_full, delta, residual, fp32):
         (kernels._chunk_state_scan_kernel, dict(BC=64, CHUNKS=kernels.SCAN_CHUNKS, BLOCK=kernels.SCAN_BLOCK), 4, 3),
         (kernels._chunk_segment_starts_kernel, dict(BK=BK, BV=state_tile), warps, 3),
         (kernels._chunk_state_join_kernel, dict(BK=BK, BV=min(BV_full, 64)), warps, 3),
-        (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 128 if residual and BK <= 128 else 64)),
+        (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 128 if BK <= 128 else 64)),
          warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STATE_PART=not delta),
          warps, 3),
