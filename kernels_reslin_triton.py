@@ -979,8 +979,10 @@ class _ChunkRun:
         HV, Dv = self.v.shape[1:]
         # Q K^T is formed once a value tile: whole value rows form it once (H200, H16 D128, session
         # 14: rla 216 -> 190 us at B2xT8192, rdn 406 -> 370 at B1xT32768; session 15: sGLA 278 ->
-        # 263 at B1xT32768). Not at D256, whose tiles of 128 need 213 KB of shared memory, untimed.
-        BV = min(self.BV_full, 128 if self.BK <= 128 else 64)
+        # 263 at B1xT32768). Untimed, so not yet: gdn and kla, and D256 (whose tiles of 128 need
+        # 213 KB of shared memory with the residual state).
+        whole_rows = (self.residual or not self.delta) and self.BK <= 128
+        BV = min(self.BV_full, 128 if whole_rows else 64)
         _chunk_output_kernel[(_cdiv(Dv, BV), self.layout.num_chunks, HV)](
             self.q, self.k, self.v, self.g, self.beta, self.U, self.h, self.gamma if self.residual else self.g,
             self.U_residual, self.h_residual, o, *self.tables, scale, **self.shape, BC=self.chunk_size, BK=self.BK,
