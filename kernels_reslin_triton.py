@@ -125,7 +125,8 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 # Chunked forward (DESIGN.md section 1, "Chunked form"). The tokens of every sequence lie one
 # after another ([L tokens, heads, dim]); chunks of BC tokens never straddle two sequences, and
 # the rows of a short tail chunk load as zeros (g = 0, strength b = 0, k = 0), which neither
-# decay nor write any state. Five kernels (two for sGLA), each serving every rule:
+# decay nor write any state. Five kernels (two for sGLA; see below for few long sequences), each
+# serving every rule:
 #   _chunk_gram_kernel (delta rule, residual rules), every chunk at once, from K K^T by 16 x 16
 #       blocks (few warps suit them): T^-1, T = I + diag(b) strictly_lower(e^(G_i - G_j) K K^T),
 #       for S and, with the residual state, for R; and the residual rules' prediction operator
@@ -755,6 +756,15 @@ def grad_keys_launch(delta, residual, BV_full):
     return 8, (3 if delta else 2), min(BV_full, 64)
 
 
+def output_tile(BK, BV_full, delta, residual):
+    """Value columns a program of `_chunk_output_kernel` owns. Q K^T is formed once a value tile:
+    whole value rows form it once (H200, H16 D128, session 14: rla 216 -> 190 us at B2xT8192, rdn
+    406 -> 370 at B1xT32768; session 15: sGLA 278 -> 263 at B1xT32768). Untimed, so not yet: gdn
+    and kla, and D256 (whose tiles of 128 need 213 KB of shared memory with the residual state)."""
+    whole_rows = (residual or not delta) and BK <= 128
+    return min(BV_full, 128 if whole_rows else 64)
+
+
 # num_warps of `_chunk_grad_values_kernel`: on 4 instead of 8 (H200, H8 D128, session 10) gdn's
 # ran 263 -> 153 us and rdn's 540 -> 384; sGLA's and RLA's did not move.
 GRAD_VALUES_WARPS = 4
@@ -977,12 +987,7 @@ class _ChunkRun:
     def output(self, scale):
         o = torch.empty_like(self.v)
         HV, Dv = self.v.shape[1:]
-        # Q K^T is formed once a value tile: whole value rows form it once (H200, H16 D128, session
-        # 14: rla 216 -> 190 us at B2xT8192, rdn 406 -> 370 at B1xT32768; session 15: sGLA 278 ->
-        # 263 at B1xT32768). Untimed, so not yet: gdn and kla, and D256 (whose tiles of 128 need
-        # 213 KB of shared memory with the residual state).
-        whole_rows = (self.residual or not self.delta) and self.BK <= 128
-        BV = min(self.BV_full, 128 if whole_rows else 64)
+        BV = output_tile(self.BK, self.BV_full, self.delta, self.residual)
         _chunk_output_kernel[(_cdiv(Dv, BV), self.layout.num_chunks, HV)](
             self.q, self.k, self.v, self.g, self.beta, self.U, self.h, self.gamma if self.residual else self.g,
             self.U_residual, self.h_residual, o, *self.tables, scale, **self.shape, BC=self.chunk_size, BK=self.BK,

@@ -64,9 +64,8 @@ def launches(BK, BV_full, delta, residual, fp32):
         (kernels._chunk_state_scan_kernel, dict(BC=64, CHUNKS=kernels.SCAN_CHUNKS, BLOCK=kernels.SCAN_BLOCK), 4, 3),
         (kernels._chunk_segment_starts_kernel, dict(BK=BK, BV=state_tile), warps, 3),
         (kernels._chunk_state_join_kernel, dict(BK=BK, BV=min(BV_full, 64)), warps, 3),
-        # Over whole value rows where that was timed (not gdn's and kla's, not D256).
-        (kernels._chunk_output_kernel,
-         dict(BC=64, BK=BK, BV=min(BV_full, 128 if (residual or not delta) and BK <= 128 else 64)), warps, stages),
+        (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=kernels.output_tile(BK, BV_full, delta, residual)),
+         warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STATE_PART=not delta),
          warps, 3),
         # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz.
