@@ -22,6 +22,7 @@
 #   variants     benchmarks/kernel_variants.py --backward: this tree's kernels file beside every copy in
 #                scratch/variants/*.py (carry scratch), each compiled first in a process of its own; more
 #                kernel_variants options in $VARIANTS_ARGS ("--rules rla rdn --heads 16", say) (540)
+#   variants-forward  the same without --backward: for copies whose backward does not compile (540)
 #   decode       benchmarks/bench_decode.py (180)
 #   generate     benchmarks/bench_generate.py (600)
 #   training     benchmarks/bench_training.py (600)
@@ -55,7 +56,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|tests-kernels|tests-others|suite|layers|convert|forward|backward|kernels|variants|decode|generate|training|compile|prefill|context|ddp|compare) ;;
+    tests|tests-kernels|tests-others|suite|layers|convert|forward|backward|kernels|variants|variants-forward|decode|generate|training|compile|prefill|context|ddp|compare) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -72,14 +73,17 @@ for name in "$@"; do
     backward) job backward 420 python3 benchmarks/bench_forward.py --backward ;;
     kernels) job kernels 300 bash -c "python3 benchmarks/kernel_times.py && python3 benchmarks/kernel_times.py --backward --shapes 8x2048" ;;
     # A copy's first compile takes ~30-60 s: all of them at once on tiny shapes, then the timing.
-    variants) job variants 540 bash -c '
+    variants|variants-forward)
+      passes=--backward
+      [ "$name" = variants-forward ] && passes=
+      job "$name" 540 bash -c '
       files=(scratch/variants/*.py)
       [ -e "${files[0]}" ] || { echo "no scratch/variants/*.py"; exit 2; }
       for file in "${files[@]}"; do
-        python3 benchmarks/kernel_variants.py --backward --variant "warm=$file" --shapes 1x256 --repeats 1 >/dev/null 2>&1 &
+        python3 benchmarks/kernel_variants.py '"$passes"' --variant "warm=$file" --shapes 1x256 --repeats 1 >/dev/null 2>&1 &
       done
       wait
-      python3 benchmarks/kernel_variants.py --backward ${VARIANTS_ARGS:-} --variant main=kernels_reslin_triton.py \
+      python3 benchmarks/kernel_variants.py '"$passes"' ${VARIANTS_ARGS:-} --variant main=kernels_reslin_triton.py \
         $(for file in "${files[@]}"; do echo --variant "$(basename "$file" .py)=$file"; done)' ;;
     decode) job decode 180 python3 benchmarks/bench_decode.py ;;
     generate) job generate 600 python3 benchmarks/bench_generate.py ;;
