@@ -127,8 +127,8 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 # the rows of a short tail chunk load as zeros (g = 0, strength b = 0, k = 0), which neither
 # decay nor write any state. Five kernels (two for sGLA; see below for few long sequences), each
 # serving every rule:
-#   _chunk_gram_kernel (delta rule, residual rules), every chunk at once, from K K^T by 16 x 16
-#       blocks (few warps suit them): T^-1, T = I + diag(b) strictly_lower(e^(G_i - G_j) K K^T),
+#   _chunk_gram_kernel (delta rule, residual rules), every chunk at once, from K K^T by blocks of a
+#       quarter chunk (few warps suit them): T^-1, T = I + diag(b) strictly_lower(e^(G_i - G_j) K K^T),
 #       for S and, with the residual state, for R; and the residual rules' prediction operator
 #       P = strictly_lower(e^(G_prev_i - G_j) K K^T), so that no sequential loop forms K K^T;
 #   _chunk_wy_kernel (delta rule), every chunk at once: the WY terms
@@ -161,7 +161,11 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 # ---------------------------------------------------------------------------------------------
 
 CHUNK_SIZE = 64
-BLOCK = 16  # T^-1 is built from BLOCK x BLOCK blocks: CHUNK_SIZE = 4 * BLOCK
+# A forward whose backward will not run may take longer chunks (`forward_chunk_size`): sGLA's
+# below 64 sequence-heads, where its state passes run on few programs or store every chunk's
+# state twice. The output kernel still reads OUTPUT_ROWS rows a program.
+LONG_CHUNK_SIZE = 128
+OUTPUT_ROWS = 64
 # One warp per chunk for T^-1 and P: its sequential block inverses leave more warps idle (on the
 # H200 at B4xT4096 H8 D128, gdn's gram kernel took 41 us on 1 warp, 87 on 2, 164 on 4).
 GRAM_WARPS = 1
@@ -175,8 +179,10 @@ MIN_SEGMENTS = 16
 # `_chunk_state_scan_kernel`: state elements a program, and chunks folded at a time (at least 16:
 # a dot's rows; 8 does not compile for the H200). Timed there (H16 D128, sGLA forward at
 # B1xT32768, session 15: 587 us) against blocks of 256 (594) and 64 (624), 32 chunks (649).
+# On 2 warps the scan kernel took 153 us against 162 on 4 and 200 on 8 (session 16, same shape).
 SCAN_BLOCK = 128
 SCAN_CHUNKS = 16
+SCAN_WARPS = 2
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -669,38 +675,75 @@ def _causal_attend(q, k, G, BC: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr, gamma_ptr, U_residual_ptr,
-                         h_residual_ptr, o_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale,
-                         T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         DT: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
-    """o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U for every chunk at once. With the residual
-    state the base read is exclusive (a_t S_{t-1}^T q_t) and R's inclusive read, scaled by
-    gamma, is added; both share Q K^T."""
-    value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows, row_ok, kcols, vcols, q, k, G = _chunk_queries_keys(
-        q_ptr, k_ptr, g_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, value_tile, chunk, head, T, NT, HV,
-        GROUP, DK, BC, BK, BV, VARLEN)
-    h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
-    # The chunk-start states are loaded first, so that their latency hides behind Q K^T.
-    h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
-    if RESIDUAL:
-        h_residual = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
+def _chunk_writes(v_ptr, strength_ptr, U_ptr, rows, row_ok, head, HV, vcols, DV, DELTA: tl.constexpr):
+    """The writes U of a block of rows: the delta rule's as the state kernel stored them, the
+    additive rule's diag(b) V."""
     if DELTA:
         U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
     else:
         U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
             _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-    attend = _causal_attend(q, k, G, BC, DT)
+    return U
+
+
+@triton.jit
+def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr, gamma_ptr, U_residual_ptr,
+                         h_residual_ptr, o_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale,
+                         T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr,
+                         VARLEN: tl.constexpr):
+    """o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U for every chunk at once, BR of its BC rows a
+    program: a block of rows reads its own block of writes through the causal mask and the
+    chunk's earlier blocks whole. With the residual state the base read is exclusive (a_t
+    S_{t-1}^T q_t) and R's inclusive read, scaled by gamma, is added; both share Q K^T."""
+    value_tile, row_block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk, block = row_block // (BC // BR), row_block % (BC // BR)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
+    h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
+    # The chunk-start states are loaded first, so that their latency hides behind Q K^T.
+    h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
+    if RESIDUAL:
+        h_residual = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
+    rows = start + block * BR + tl.arange(0, BR)
+    row_ok = rows < end
+    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    # G continues from the chunk's earlier rows: summed first, as their reads below need G.
+    G_before = 0.0
+    for earlier in tl.static_range(BC // BR - 1):
+        if earlier < block:
+            earlier_rows = start + earlier * BR + tl.arange(0, BR)
+            G_before += tl.sum(_token_scalars(g_ptr, earlier_rows, earlier_rows < end, head, HV), axis=0)
+    G = G_before + tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
+    U = _chunk_writes(v_ptr, strength_ptr, U_ptr, rows, row_ok, head, HV, vcols, DV, DELTA)
+    attend = _causal_attend(q, k, G, BR, DT)
     q_decayed = tl.exp(G)[:, None]
     if RESIDUAL:
-        r = tl.arange(0, BC)
+        r = tl.arange(0, BR)
         o = q_decayed * _mm(q, h, DT) + _mm(tl.where(r[:, None] > r[None, :], attend, 0.0), U, DT)
-        gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
         U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV)
         residual_read = q_decayed * _mm(q, h_residual, DT) + _mm(attend, U_residual, DT)
-        o = o + gamma[:, None] * residual_read
     else:
         o = q_decayed * _mm(q, h, DT) + _mm(attend, U, DT)
+    G_key = 0.0  # the earlier blocks' reads: every row before this block, unmasked
+    for earlier in tl.static_range(BC // BR - 1):
+        if earlier < block:
+            key_rows = start + earlier * BR + tl.arange(0, BR)
+            key_ok = key_rows < end
+            g_key = _token_scalars(g_ptr, key_rows, key_ok, head, HV)
+            G_keys = G_key + tl.cumsum(g_key, axis=0)
+            G_key += tl.sum(g_key, axis=0)
+            keys = _load_rows(k_ptr, key_rows, key_ok, head // GROUP, HV // GROUP, kcols, DK)
+            earlier_attend = tl.exp(G[:, None] - G_keys[None, :]) * _mm(q, tl.trans(keys), DT)
+            o += _mm(earlier_attend, _chunk_writes(v_ptr, strength_ptr, U_ptr, key_rows, key_ok, head, HV, vcols,
+                                                   DV, DELTA), DT)
+            if RESIDUAL:
+                residual_read += _mm(earlier_attend, _load_rows(U_residual_ptr, key_rows, key_ok, head, HV, vcols,
+                                                                DV), DT)
+    if RESIDUAL:
+        gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
+        o = o + gamma[:, None] * residual_read
     _store_rows(o_ptr, rows, row_ok, head, HV, vcols, DV, scale * o)
 
 
@@ -756,13 +799,13 @@ def grad_keys_launch(delta, residual, BV_full):
     return 8, (3 if delta else 2), min(BV_full, 64)
 
 
-def output_tile(BK, BV_full, delta, residual):
+def output_tile(BK, BV_full):
     """Value columns a program of `_chunk_output_kernel` owns. Q K^T is formed once a value tile:
     whole value rows form it once (H200, H16 D128, session 14: rla 216 -> 190 us at B2xT8192, rdn
-    406 -> 370 at B1xT32768; session 15: sGLA 278 -> 263 at B1xT32768). Untimed, so not yet: gdn
-    and kla, and D256 (whose tiles of 128 need 213 KB of shared memory with the residual state)."""
-    whole_rows = (residual or not delta) and BK <= 128
-    return min(BV_full, 128 if whole_rows else 64)
+    406 -> 370 at B1xT32768; session 15: sGLA 278 -> 263 at B1xT32768; session 16: gdn 145 -> 127
+    at B8xT2048, 284 -> 246 at B1xT32768). Untimed, so not yet: D256 (whose tiles of 128 need 213
+    KB of shared memory with the residual state)."""
+    return min(BV_full, 128 if BK <= 128 else 64)
 
 
 # num_warps of `_chunk_grad_values_kernel`: on 4 instead of 8 (H200, H8 D128, session 10) gdn's
@@ -825,7 +868,7 @@ class _ChunkRun:
         if (delta or residual) and inverse is None:
             _chunk_gram_kernel[(layout.num_chunks, HV)](
                 k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, layout.T, layout.NT,
-                HV, HV // H, Dk, BLOCK=BLOCK, DELTA=delta, RESIDUAL=residual, **common, num_warps=GRAM_WARPS)
+                HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta, RESIDUAL=residual, **common, num_warps=GRAM_WARPS)
         if delta:
             _chunk_wy_kernel[(layout.num_chunks, HV)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
@@ -915,7 +958,8 @@ class _ChunkRun:
         final = initial.clone(memory_format=torch.contiguous_format)  # the scan advances it in place
         _chunk_state_scan_kernel[(_cdiv(Dk * Dv, SCAN_BLOCK), layout.num_sequences * HV)](
             chunk_decay, h, final, layout.cu_seqlens, layout.chunk_offsets, layout.T, layout.NT, HV, Dk, Dv,
-            BC=self.chunk_size, CHUNKS=SCAN_CHUNKS, BLOCK=SCAN_BLOCK, DT=self.DT, VARLEN=layout.varlen, num_warps=4)
+            BC=self.chunk_size, CHUNKS=SCAN_CHUNKS, BLOCK=SCAN_BLOCK, DT=self.DT, VARLEN=layout.varlen,
+            num_warps=SCAN_WARPS)
         return final
 
     def state_segments(self):
@@ -987,22 +1031,41 @@ class _ChunkRun:
     def output(self, scale):
         o = torch.empty_like(self.v)
         HV, Dv = self.v.shape[1:]
-        BV = output_tile(self.BK, self.BV_full, self.delta, self.residual)
-        _chunk_output_kernel[(_cdiv(Dv, BV), self.layout.num_chunks, HV)](
+        BV = output_tile(self.BK, self.BV_full)
+        rows = min(self.chunk_size, OUTPUT_ROWS)
+        _chunk_output_kernel[(_cdiv(Dv, BV), self.layout.num_chunks * (self.chunk_size // rows), HV)](
             self.q, self.k, self.v, self.g, self.beta, self.U, self.h, self.gamma if self.residual else self.g,
-            self.U_residual, self.h_residual, o, *self.tables, scale, **self.shape, BC=self.chunk_size, BK=self.BK,
-            BV=BV, DT=self.DT, DELTA=self.delta, RESIDUAL=self.residual, VARLEN=self.layout.varlen,
+            self.U_residual, self.h_residual, o, *self.tables, scale, **self.shape, BC=self.chunk_size, BR=rows,
+            BK=self.BK, BV=BV, DT=self.DT, DELTA=self.delta, RESIDUAL=self.residual, VARLEN=self.layout.varlen,
             num_warps=self.warps, num_stages=self.stages)
         return o
 
 
+def forward_chunk_size(update, residual, sequences, HV):
+    """The chunk length of a forward whose backward will not run: LONG_CHUNK_SIZE for sGLA below
+    64 sequence-heads. Below 32 its state passes are the scan's, whose kernels store every
+    chunk's state twice (what it adds, then where it starts); from 32 the sequential state loop
+    runs on 128 programs or fewer: longer chunks halve both. Timed (forward kernels, H200, H16
+    D128, session 16): at B1xT32768 the local-state kernel 161 -> 124 us, the scan 162 -> 81,
+    the call 590 -> 482; at B2xT8192 the state kernel 137 -> 107, the call 264 -> 243. The output
+    kernel over whole chunks of 128 had taken 266 -> 420 us, hence its programs of OUTPUT_ROWS
+    rows (275 us). At B8xT2048 (128 sequence-heads) the state kernel in chunks of 128 lost (77 ->
+    82 us); the other rules' T^-1 costs 4x in chunks of 128 (gdn's gram kernel 162 -> 648 us)."""
+    long_chunks = update == "additive" and not residual and sequences * HV < 64
+    return LONG_CHUNK_SIZE if long_chunks else CHUNK_SIZE
+
+
 @_on_inputs_device
 def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
-                  chunk_size=CHUNK_SIZE, keep_inverse=False):
+                  chunk_size=None, keep_inverse=False):
     """Forward of every rule over [B, T] or packed (cu_seqlens) sequences, the same contract as
     kernels_reslin_torch.chunk_reslin: returns (o in v's dtype, S, R) with fp32 states. With
     keep_inverse a fourth value: T^-1 for chunk_backward's `inverse` (None but for the delta rule
-    without the residual state)."""
+    without the residual state). chunk_size None: `forward_chunk_size`'s (a differentiable call
+    passes the backward's, CHUNK_SIZE)."""
+    if chunk_size is None:
+        sequences = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+        chunk_size = forward_chunk_size(update, gamma is not None, sequences, v.shape[2])
     run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
                     keep_inverse=keep_inverse)
     outputs = run.output(scale).reshape(v.shape), run.S, (run.R if run.residual else None)
@@ -1530,7 +1593,7 @@ def _chunk_forward_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunk_forward as its op returns it, tensors only: (o, S, R, T^-1 kept for the backward)."""
     o, S, R, inverse = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
-                                     keep_inverse=True)
+                                     CHUNK_SIZE, keep_inverse=True)
     return o, S, (_absent(S) if R is None else R), (_absent(q) if inverse is None else inverse)
 
 

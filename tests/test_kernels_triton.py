@@ -81,10 +81,9 @@ def case_inputs(case, residual, kaczmarz):
     return x, torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
 
 
-@pytest.mark.parametrize("case", CHUNK_CASES, ids=["batch", "varlen"])
-@pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
-def test_chunked_forward_matches_reference(name, update, residual, kaczmarz, case):
-    x, cu_seqlens = case_inputs(case, residual, kaczmarz)
+def assert_forward_matches_reference(x, update, residual, cu_seqlens, states_bound=1e-5):
+    """The Triton forward without gradients against the per-token reference: relative error <=
+    1e-5 for the outputs, <= states_bound for the final states."""
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "gamma")]
     results = {}
     for backend in ("recurrent", "triton"):
@@ -94,7 +93,86 @@ def test_chunked_forward_matches_reference(name, update, residual, kaczmarz, cas
                                          gamma_write=x["gamma_write"])
         results[backend] = [o, S] + ([R] if residual else [])
     for label, got, ref in zip(("o", "S", "R"), results["triton"], results["recurrent"]):
-        assert rel_err(got, ref) < 1e-5, f"{label}: {rel_err(got, ref):.2e}"
+        bound = 1e-5 if label == "o" else states_bound
+        assert rel_err(got, ref) < bound, f"{label}: {rel_err(got, ref):.2e}"
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=["batch", "varlen"])
+@pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
+def test_chunked_forward_matches_reference(name, update, residual, kaczmarz, case):
+    x, cu_seqlens = case_inputs(case, residual, kaczmarz)
+    assert_forward_matches_reference(x, update, residual, cu_seqlens)
+
+
+def kernels_modules():
+    """Every import of kernels_reslin_triton (plain, and the remote-code package's): the custom op
+    runs the first one's code."""
+    return [m for name, m in sys.modules.items() if name.rpartition(".")[2] == "kernels_reslin_triton"]
+
+
+@pytest.mark.parametrize("case,decay", [(CHUNK_CASES[0], 1), (CHUNK_CASES[1], 1), ((1, 200, 1, 2, 16, 16, None), 8)],
+                         ids=["batch", "varlen", "strong_decay"])
+@pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
+def test_chunked_forward_in_chunks_of_128_matches_reference(name, update, residual, kaczmarz, case, decay,
+                                                            monkeypatch):
+    """A forward without gradients in chunks of 128 (`forward_chunk_size`, sGLA's below 64
+    sequence-heads; forced here for every rule): T^-1 from blocks of 32, the output kernel's
+    programs over 64 rows each, the second reading the chunk's first 64 rows' writes whole. T not
+    a multiple of 64 nor 128, packed sequences, and 8x the log decay (e^(G_i - G_j) across the
+    row blocks must stay masked where it would overflow). Relative error <= 1e-5 in fp32, but for
+    the final states with 8x the decay: G then falls to ~-200 within a chunk of 128, where fp32
+    resolves ~1.5e-5, and e^(G_last - G) near the chunk's end carries that (2.7e-5 here; 1.1e-6 in
+    chunks of 64, whose G falls half as far)."""
+    sizes = []
+    for module in kernels_modules():
+        monkeypatch.setattr(module, "forward_chunk_size", lambda *args: sizes.append(128) or 128)
+    x, cu_seqlens = case_inputs(case, residual, kaczmarz)
+    x["g"] = x["g"] * decay
+    assert_forward_matches_reference(x, update, residual, cu_seqlens, states_bound=5e-5 if decay > 1 else 1e-5)
+    assert sizes == [128]
+
+
+@pytest.mark.parametrize("path", ["sequential", "segments"])
+@pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "additive"])
+def test_additive_forward_in_chunks_of_128_each_way_matches_reference(name, update, residual, kaczmarz, path,
+                                                                        monkeypatch):
+    """The additive rule's other state passes in chunks of 128: the sequential state kernel (sGLA's
+    from 32 sequence-heads), and segments side by side, joined (forced at small sizes: 330 tokens,
+    3 chunks of 128, one segment each). Relative error <= 1e-5 in fp32."""
+    split = []
+    for module in kernels_modules():
+        monkeypatch.setattr(module, "forward_chunk_size", lambda *args: 128)
+        monkeypatch.setattr(module._ChunkRun, "scans_states", lambda run: False)
+        monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: False)
+        if path == "segments":
+            monkeypatch.setattr(module, "MIN_SEGMENTS", 2)
+            monkeypatch.setattr(module, "PARALLEL_PROGRAMS", 16)  # 4 programs run the state kernel here
+            monkeypatch.setattr(module, "MIN_SEGMENT_CHUNKS", 1)
+        monkeypatch.setattr(module._ChunkRun, "advance_in_segments",
+                            lambda run, initial, segments, *writes, original=module._ChunkRun.advance_in_segments:
+                            split.append(segments) or original(run, initial, segments, *writes))
+    x = on_device(make_inputs(2, 330, 2, 2, 32, 16, residual, kaczmarz=kaczmarz))
+    assert_forward_matches_reference(x, update, residual, None)
+    assert split == ([3] * (2 if residual else 1) if path == "segments" else [])
+
+
+@pytest.mark.parametrize("sequences,heads,expected", [(1, 16, 128), (2, 31, 128), (4, 16, 64)])
+@pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
+def test_forward_without_gradients_takes_long_chunks_for_sglas_scan_only(name, update, residual, kaczmarz, sequences,
+                                                                          heads, expected, monkeypatch):
+    """Chunks of 128 for sGLA's forward below 64 sequence-heads when no backward will run; a
+    differentiable call runs its forward in the backward's chunks of 64, as do the other rules."""
+    sizes = []
+    for module in kernels_modules():
+        monkeypatch.setattr(module._ChunkRun, "__init__", lambda run, *args, original=module._ChunkRun.__init__,
+                            **kwargs: sizes.append(args[12]) or original(run, *args, **kwargs))
+    x = on_device(make_inputs(sequences, 3, 1, heads, 16, 16, residual, kaczmarz=kaczmarz))
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "gamma")]
+    with torch.no_grad():
+        reslin_attention(*args, update=update, backend="triton", gamma_write=x["gamma_write"])
+    reslin_attention(*(a.requires_grad_() if a is not None else None for a in args), update=update,
+                     backend="triton", gamma_write=x["gamma_write"])
+    assert sizes == [expected if name == "sgla" else 64, 64]
 
 
 def test_chunked_triton_forward_names_the_head_sizes_it_takes():

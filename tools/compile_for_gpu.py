@@ -61,11 +61,21 @@ def launches(BK, BV_full, delta, residual, fp32):
            warps, stages) for store_z in (False, True)],
         # The additive rule's passes below 32 sequence-heads: every chunk's writes, then the scan.
         (kernels._chunk_local_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
-        (kernels._chunk_state_scan_kernel, dict(BC=64, CHUNKS=kernels.SCAN_CHUNKS, BLOCK=kernels.SCAN_BLOCK), 4, 3),
+        (kernels._chunk_state_scan_kernel, dict(BC=64, CHUNKS=kernels.SCAN_CHUNKS, BLOCK=kernels.SCAN_BLOCK),
+         kernels.SCAN_WARPS, 3),
         (kernels._chunk_segment_starts_kernel, dict(BK=BK, BV=state_tile), warps, 3),
         (kernels._chunk_state_join_kernel, dict(BK=BK, BV=min(BV_full, 64)), warps, 3),
-        (kernels._chunk_output_kernel, dict(BC=64, BK=BK, BV=kernels.output_tile(BK, BV_full, delta, residual)),
-         warps, stages),
+        # The output kernel; and sGLA's forward without gradients below 64 sequence-heads, in chunks of
+        # LONG_CHUNK_SIZE: the output kernel, the state kernel (from 32 sequence-heads, tiles of 32)
+        # and the scan's kernels (below 32).
+        *[(kernels._chunk_output_kernel, dict(BC=chunk, BR=kernels.OUTPUT_ROWS, BK=BK,
+                                             BV=kernels.output_tile(BK, BV_full)), warps, stages)
+          for chunk in (64, kernels.LONG_CHUNK_SIZE)],
+        (kernels._chunk_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 32), BOTH_STATES=False,
+                                           STORE_Z=False), warps, stages),
+        (kernels._chunk_local_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 64)), warps, 3),
+        (kernels._chunk_state_scan_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, CHUNKS=kernels.SCAN_CHUNKS,
+                                                BLOCK=kernels.SCAN_BLOCK), kernels.SCAN_WARPS, 3),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STATE_PART=not delta),
          warps, 3),
         # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz.
@@ -199,13 +209,16 @@ def main():
                                                  kernels._chunk_state_scan_kernel) or \
                                 not residual and fn in (kernels._chunk_residual_writes_kernel,
                                                         kernels._chunk_residual_grad_kernel) or \
-                                constexprs.get("BOTH_STATES") and (delta or not residual):
-                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
+                                constexprs.get("BOTH_STATES") and (delta or not residual) or \
+                                constexprs.get("BC") == kernels.LONG_CHUNK_SIZE != 64 and (delta or residual):
+                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins;
+                            # only sGLA runs chunks of LONG_CHUNK_SIZE
                         label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
                                  f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
                                  f"{' both_states' if constexprs.get('BOTH_STATES') else ''}"
                                  f"{' gated_read' if constexprs.get('GATED_READ') else ''}"
-                                 f"{' pred' if constexprs.get('PRED') else ''}")
+                                 f"{' pred' if constexprs.get('PRED') else ''}"
+                                 f"{' chunks of ' + str(constexprs['BC']) if constexprs.get('BC', 64) != 64 else ''}")
                         start = time.time()
                         try:
                             compiled = compile_variant(fn, constexprs, pointer_type, warps, stages, head_size)
