@@ -156,23 +156,30 @@ def test_additive_forward_in_chunks_of_128_each_way_matches_reference(name, upda
     assert split == ([3] * (2 if residual else 1) if path == "segments" else [])
 
 
-@pytest.mark.parametrize("sequences,heads,expected", [(1, 16, 128), (2, 31, 128), (4, 16, 64)])
 @pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
-def test_forward_without_gradients_takes_long_chunks_for_sglas_scan_only(name, update, residual, kaczmarz, sequences,
-                                                                          heads, expected, monkeypatch):
-    """Chunks of 128 for sGLA's forward below 64 sequence-heads when no backward will run; a
-    differentiable call runs its forward in the backward's chunks of 64, as do the other rules."""
+def test_forward_chunk_size_is_long_for_sgla_below_64_sequence_heads_only(name, update, residual, kaczmarz):
+    for module in kernels_modules():
+        sizes = [module.forward_chunk_size(update, residual, sequences, heads)
+                 for sequences, heads in ((1, 16), (2, 31), (4, 16), (1, 64))]
+        assert sizes == ([128, 128, 64, 64] if name == "sgla" else [64] * 4)
+
+
+@pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[0] in ("sgla", "rla")])
+def test_only_a_forward_without_gradients_takes_forward_chunk_size(name, update, residual, kaczmarz, monkeypatch):
+    """A forward that no backward will follow runs in `forward_chunk_size`'s chunks; a
+    differentiable call runs its forward in the backward's, CHUNK_SIZE."""
     sizes = []
     for module in kernels_modules():
+        monkeypatch.setattr(module, "forward_chunk_size", lambda *args: 128)
         monkeypatch.setattr(module._ChunkRun, "__init__", lambda run, *args, original=module._ChunkRun.__init__,
                             **kwargs: sizes.append(args[12]) or original(run, *args, **kwargs))
-    x = on_device(make_inputs(sequences, 3, 1, heads, 16, 16, residual, kaczmarz=kaczmarz))
+    x = on_device(make_inputs(1, 3, 1, 2, 16, 16, residual, kaczmarz=kaczmarz))
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "gamma")]
     with torch.no_grad():
         reslin_attention(*args, update=update, backend="triton", gamma_write=x["gamma_write"])
     reslin_attention(*(a.requires_grad_() if a is not None else None for a in args), update=update,
                      backend="triton", gamma_write=x["gamma_write"])
-    assert sizes == [expected if name == "sgla" else 64, 64]
+    assert sizes == [128, 64]
 
 
 def test_chunked_triton_forward_names_the_head_sizes_it_takes():
