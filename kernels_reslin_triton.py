@@ -445,6 +445,18 @@ def _added(k_t, G, G_last, U, DT: tl.constexpr):
 
 
 @triton.jit
+def _chunk_writes(v_ptr, strength_ptr, U_ptr, rows, row_ok, head, HV, vcols, DV, DELTA: tl.constexpr):
+    """The writes U of a block of rows: the delta rule's as the state kernel stored them, the
+    additive rule's diag(b) V."""
+    if DELTA:
+        U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
+    else:
+        U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
+            _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+    return U
+
+
+@triton.jit
 def _advanced(S, k_t, G, G_last, U, DT: tl.constexpr):
     """A state at the chunk's end from its start: e^(G_last) S + (e^(G_last - G) K)^T U."""
     return tl.exp(G_last) * S + _added(k_t, G, G_last, U, DT)
@@ -532,8 +544,7 @@ def _chunk_local_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, h_ptr, chunk_de
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
     k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     g = _token_scalars(g_ptr, rows, row_ok, head, HV)
-    U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
-        _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+    U = _chunk_writes(v_ptr, strength_ptr, v_ptr, rows, row_ok, head, HV, vcols, DV, DELTA=False)
     h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
     G_last = tl.sum(g, axis=0)
     tl.store(h_ptr + h_offsets, _added(k_t, tl.cumsum(g, axis=0), G_last, U, DT).to(DT), mask=tile_ok)
@@ -672,18 +683,6 @@ def _chunk_queries_keys(q_ptr, k_ptr, g_ptr, cu_seqlens_ptr, chunk_seq_ptr, chun
 def _causal_attend(q, k, G, BC: tl.constexpr, DT: tl.constexpr):
     """mask(Q K^T) e^(G_i - G_j), the diagonal included: how a chunk's rows read its own writes."""
     return _lower_decay(G, BC) * _mm(q, tl.trans(k), DT)
-
-
-@triton.jit
-def _chunk_writes(v_ptr, strength_ptr, U_ptr, rows, row_ok, head, HV, vcols, DV, DELTA: tl.constexpr):
-    """The writes U of a block of rows: the delta rule's as the state kernel stored them, the
-    additive rule's diag(b) V."""
-    if DELTA:
-        U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
-    else:
-        U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * \
-            _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-    return U
 
 
 @triton.jit

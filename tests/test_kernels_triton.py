@@ -251,7 +251,7 @@ def test_delta_rule_backward_takes_the_forwards_inverse(name, update, residual, 
     is left unused (its gradient arrives as None) and the final states carry the loss: every
     gradient against the reference, relative error <= 1e-5 in fp32."""
     kept = []
-    for module in [m for name, m in sys.modules.items() if name.rpartition(".")[2] == "kernels_reslin_triton"]:
+    for module in kernels_modules():
         monkeypatch.setattr(module, "chunk_backward",
                             lambda *args, original=module.chunk_backward, **kwargs:
                             kept.append(kwargs["inverse"] is not None) or original(*args, **kwargs))
@@ -277,7 +277,7 @@ def test_residual_additive_states_in_one_pass_or_two_match_reference(case, one_p
     writes kernel between them over many (`_ChunkRun.fuse_residual_passes`): each way forced here,
     outputs, final states and every gradient against the reference, relative error <= 1e-5 in fp32."""
     fused = []
-    for module in [m for name, m in sys.modules.items() if name.rpartition(".")[2] == "kernels_reslin_triton"]:
+    for module in kernels_modules():
         monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: one_pass)
         monkeypatch.setattr(module._ChunkRun, "advance_both",
                             lambda run, *args, original=module._ChunkRun.advance_both:
@@ -305,7 +305,7 @@ def test_additive_states_by_scan_or_sequential_kernel_match_reference(name, upda
     chunks, e^(L_j - L_i) from a chunk to an earlier one overflows fp32. Outputs, final states and
     every gradient against the reference: relative error <= 1e-5 in fp32."""
     scans = []
-    for module in [m for name, m in sys.modules.items() if name.rpartition(".")[2] == "kernels_reslin_triton"]:
+    for module in kernels_modules():
         monkeypatch.setattr(module, "SCAN_CHUNKS", 2 if DEVICE == "cpu" else 16)
         monkeypatch.setattr(module._ChunkRun, "scans_states", lambda run: scan)
         monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: False)
@@ -333,9 +333,7 @@ def test_additive_states_split_into_segments_match_reference(name, update, resid
     states the same way) against the reference:
     relative error <= 1e-5 in fp32 (`outputs_and_gradients`)."""
     split = []
-    # Every import of the file (plain, and the remote-code package's): the custom op runs the
-    # first one's code.
-    for module in [m for name, m in sys.modules.items() if name.rpartition(".")[2] == "kernels_reslin_triton"]:
+    for module in kernels_modules():
         monkeypatch.setattr(module, "MIN_SEGMENTS", 2)
         monkeypatch.setattr(module, "PARALLEL_PROGRAMS", programs)  # 4 programs run a sequence's tiles here
         monkeypatch.setattr(module, "MIN_SEGMENT_CHUNKS", 1)
