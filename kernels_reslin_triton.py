@@ -139,15 +139,16 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 #       rules run it twice, S's pass then R's, one state each;
 #   _chunk_residual_writes_kernel (residual rules), every chunk at once, between the two passes:
 #       pred = e^(G_prev) K h + P U from S's chunk-start states, and R's writes from the clipped
-#       residual clip(v - pred) (for the delta rule, R's U0 = T_R^-1 diag(b_R) r). For RLA over
-#       few (sequence, head) pairs, the state kernel does all three in one pass (BOTH_STATES);
+#       residual clip(v - pred) (for the delta rule, R's U0 = T_R^-1 diag(b_R) r). For RLA from
+#       32 to 63 (sequence, head) pairs, the state kernel does all three in one pass (BOTH_STATES);
 #   _chunk_output_kernel, every chunk at once: o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U,
 #       for the residual rules the exclusive base read plus gamma times R's read.
 # Few long sequences of the additive rule (sGLA, RLA) leave most SMs idle along the state loop.
 # Below 32 (sequence, head) pairs (_ChunkRun.scans_states) its passes run as
 # _chunk_local_state_kernel, every chunk's own addition to the state at once, then
 # _chunk_state_scan_kernel, which turns them into the chunk-start states a few chunks a step with
-# no product with the state. Otherwise, where few programs would still run the loop, it runs on
+# no product with the state; RLA's writes kernel then also forms P and stores what R's writes add
+# to R, for R's scan. Otherwise, where few programs would still run the loop, it runs on
 # segments of each sequence side by side from zero states, _chunk_segment_starts_kernel carries
 # the segments' end states into their true start states, and _chunk_state_join_kernel adds them,
 # decayed, to every chunk-start state at once (S is linear in its start state); RLA then runs R's
@@ -162,8 +163,8 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 
 CHUNK_SIZE = 64
 # A forward whose backward will not run may take longer chunks (`forward_chunk_size`): sGLA's
-# below 64 sequence-heads, where its state passes run on few programs or store every chunk's
-# state twice. The output kernel still reads OUTPUT_ROWS rows a program.
+# below 64 sequence-heads, RLA's below 32, where their state passes run on few programs or store
+# every chunk's state twice. The output kernel still reads OUTPUT_ROWS rows a program.
 LONG_CHUNK_SIZE = 128
 OUTPUT_ROWS = 64
 # One warp per chunk for T^-1 and P: its sequential block inverses leave more warps idle (on the
@@ -592,16 +593,21 @@ def _chunk_state_scan_kernel(chunk_decay_ptr, h_ptr, S_ptr, cu_seqlens_ptr, chun
 
 @triton.jit
 def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, U_ptr, h_ptr, P_ptr,
-                                  X_residual_ptr, z_ptr, writes_ptr, U_residual_ptr, cu_seqlens_ptr, chunk_seq_ptr,
-                                  chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
+                                  X_residual_ptr, z_ptr, writes_ptr, U_residual_ptr, h_residual_ptr, cu_seqlens_ptr,
+                                  chunk_seq_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
                                   BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
-                                  STORE_Z: tl.constexpr, VARLEN: tl.constexpr):
+                                  ADDS_TO_STATE: tl.constexpr, STORE_Z: tl.constexpr, VARLEN: tl.constexpr):
     """Every chunk at once, after S's pass: pred_t = S_{t-1}^T k_t from the chunk-start state h
     and the chunk's own writes U, z = v - pred (stored for the backward when STORE_Z), the
     clipped residual r, and what R's pass writes with: U0_R = X_R diag(b_R) r for the delta
     rule, r itself for the additive one (its pass scales by b_R; R's writes U_R = diag(b_R) r
     are stored too, for the output and the backward, as the delta rule's pass stores its own).
-    None of it needs R, so R's recurrence is S's again, over other writes."""
+    None of it needs R, so R's recurrence is S's again, over other writes. With ADDS_TO_STATE
+    (the additive rule, whose R then advances by scan) no pass reads R's writes again: what they
+    add to R by the chunk's end, (e^(G_last - G) K)^T U_R, goes to h_residual in their place, as
+    `_chunk_local_state_kernel` stores S's; and P is formed here, not read (stored for the
+    backward when STORE_Z): no other kernel of that forward needs it, and in chunks of 128 the
+    gram kernel's blocks took 298 us for P alone (H200, H16 D128, B1xT32768, session 17)."""
     value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     rows = start + tl.arange(0, BC)
@@ -616,15 +622,25 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
         U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
     else:
         U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
-    residual = _clipped_residual(k, v, h, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC),
-                                 tl.cumsum(g, axis=0) - g, clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
+    G = tl.cumsum(g, axis=0)
+    if ADDS_TO_STATE:
+        P = _decayed(_mm(k, tl.trans(k), DT), G - g, G, True, BC)
+        if STORE_Z and value_tile == 0:
+            _store_rows(P_ptr, rows, row_ok, head, HV, tl.arange(0, BC), BC, P)
+    else:
+        P = _load_lower(P_ptr, rows, row_ok, head, HV, BC)
+    residual = _clipped_residual(k, v, h, U, P, G - g, clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
     scaled = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
     if DELTA:
         _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV,
                     _mm(_load_lower(X_residual_ptr, rows, row_ok, head, HV, BC), scaled, DT))
     else:
-        _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV, residual)
         _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, scaled)
+        if ADDS_TO_STATE:
+            added = _added(tl.trans(k), G, tl.sum(g, axis=0), scaled, DT)
+            tl.store(h_residual_ptr + h_offsets, added.to(DT), mask=tile_ok)
+        else:
+            _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV, residual)
 
 
 @triton.jit
@@ -812,6 +828,16 @@ def output_tile(BK, BV_full):
 GRAD_VALUES_WARPS = 4
 
 
+def writes_launch(chunk_size, BV_full, warps):
+    """Value tile and warps of `_chunk_residual_writes_kernel`: tiles of 64, but whole value rows
+    up to 128 on 8 warps in chunks of LONG_CHUNK_SIZE (RLA's forward over few sequence-heads),
+    whose P and K K^T are then formed once a chunk. H200, H16 D128, B1xT32768, session 17: 462
+    -> 428 us (4 warps: 534); in chunks of 64 with the backward's z stored it lost (510 -> 701)."""
+    if chunk_size > CHUNK_SIZE and BV_full <= 128:
+        return BV_full, 8
+    return min(BV_full, 64), warps
+
+
 class _ChunkRun:
     """The inputs of one chunked call laid out as packed tokens, and everything the forward
     computes before its outputs: T^-1, the WY terms, the chunk-start states h and the writes U
@@ -862,9 +888,12 @@ class _ChunkRun:
             self.W, U0, self.U = empty(L, HV, Dk), empty(L, HV, Dv), empty(L, HV, Dv)
             if residual:
                 self.X_residual, self.W_residual = empty(L, HV, chunk_size), empty(L, HV, Dk)
-        if residual:
+        fused = residual and self.fuse_residual_passes()
+        # RLA's passes by scan form P with R's writes, and store it only for the backward.
+        scans_residual = residual and not fused and self.scans_states()
+        if residual and (store_z or not scans_residual):
             self.P = empty(L, HV, chunk_size)
-        if (delta or residual) and inverse is None:
+        if (delta or (residual and not scans_residual)) and inverse is None:
             _chunk_gram_kernel[(layout.num_chunks, HV)](
                 k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, layout.T, layout.NT,
                 HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta, RESIDUAL=residual, **common, num_warps=GRAM_WARPS)
@@ -872,23 +901,38 @@ class _ChunkRun:
             _chunk_wy_kernel[(layout.num_chunks, HV)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
                 **self.shape, BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
-        if residual and self.fuse_residual_passes():
+        if fused:
             self.S, self.R = self.advance_both(S0, R0, store_z)
+            return
+        if scans_residual:
+            # RLA with every pass over all chunks at once: R's additions come with its writes.
+            chunk_decay = self.chunk_additions(v, beta, self.h)
+            self.S = self.scan(S0, self.h, chunk_decay)
+            self.residual_writes(store_z, adds_to_state=True)
+            self.R = self.scan(R0, self.h_residual, chunk_decay)
             return
         self.S = self.advance(S0, v, beta, self.W, U0, self.U, self.h)
         if not residual:
             self.R = self.S
             return
-        # R's writes (and z) need S's chunk-start states h, not R: every chunk at once, then R's pass.
-        # In the input dtype, as S's U0 is (H200, H16 D128, session 15: rdn's forward 1,090 -> 1,049
-        # us at B2xT8192, its writes kernel 379 -> 336 at B1xT32768; rla 598 -> 538 at B8xT2048).
-        writes = torch.empty(L, HV, Dv, device=q.device, dtype=q.dtype)
-        BV = min(self.BV_full, 64)
-        _chunk_residual_writes_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
-            k, v, g, beta, self.gamma_write, self.U, self.h, self.P, self.X_residual, self.z, writes, self.U_residual,
-            *self.tables, clip, **self.shape, BV=BV, DELTA=delta, STORE_Z=store_z, **common, num_warps=self.warps,
-            num_stages=self.stages)
+        writes = self.residual_writes(store_z, adds_to_state=False)
         self.R = self.advance(R0, writes, self.gamma_write, self.W_residual, writes, self.U_residual, self.h_residual)
+
+    def residual_writes(self, store_z, adds_to_state):
+        """`_chunk_residual_writes_kernel`: R's writes (and z) from S's chunk-start states h, every
+        chunk at once. Returns what R's pass writes with (None with `adds_to_state`, which stores
+        what each chunk adds to R in h_residual instead). In the input dtype, as S's U0 is (H200,
+        H16 D128, session 15: rdn's forward 1,090 -> 1,049 us at B2xT8192, its writes kernel 379 ->
+        336 at B1xT32768; rla 598 -> 538 at B8xT2048)."""
+        writes = None if adds_to_state else torch.empty_like(self.v)
+        BV, warps = writes_launch(self.chunk_size, self.BV_full, self.warps)
+        _chunk_residual_writes_kernel[(_cdiv(self.shape["DV"], BV), self.layout.num_chunks, self.shape["HV"])](
+            self.k, self.v, self.g, self.beta, self.gamma_write, self.U, self.h, self.P, self.X_residual, self.z,
+            self.v if adds_to_state else writes, self.U_residual, self.h_residual, *self.tables, self.clip,
+            **self.shape, BC=self.chunk_size, BK=self.BK, BV=BV, DT=self.DT, DELTA=self.delta,
+            ADDS_TO_STATE=adds_to_state, STORE_Z=store_z, VARLEN=self.layout.varlen, num_warps=warps,
+            num_stages=self.stages)
+        return writes
 
     def fuse_residual_passes(self):
         """Whether RLA's passes run as one (`_chunk_state_kernel` with BOTH_STATES). It pays where the
@@ -896,10 +940,11 @@ class _ChunkRun:
         the writes kernel between them is a third launch over every chunk. On an H200 (D128, session
         12, forward us): H16 B1xT32768 1,764 -> 1,605, B2xT8192 714 -> 609; H8 B2xT8192 451 -> 409,
         B4xT4096 369 -> 311. From 64 pairs on it lost (H16 B4xT4096 657 -> 688, B8xT2048 620 -> 695),
-        as it did for RDN even at H16 B1xT32768 (2,641 -> 2,947). Where RLA runs in segments
-        (fewer pairs still) those stay: the two were not timed against each other."""
+        as it did for RDN even at H16 B1xT32768 (2,641 -> 2,947). Below 32 pairs RLA's passes are
+        scans instead (`scans_states`). Where RLA runs in segments those stay: the two were not
+        timed against each other."""
         sequence_heads = self.layout.num_sequences * self.shape["HV"]
-        return not self.delta and sequence_heads < 64 and self.state_segments() == 1
+        return not self.delta and 32 <= sequence_heads < 64 and self.state_segments() == 1
 
     def advance_both(self, S0, R0, store_z):
         """RLA's S and R passes in one from S0 and R0. Returns the final S and R."""
@@ -915,7 +960,7 @@ class _ChunkRun:
         rule, U. Returns the final state."""
         layout = self.layout
         if self.scans_states():
-            return self.advance_by_scan(initial, v, strength, h)
+            return self.scan(initial, h, self.chunk_additions(v, strength, h))
         segments = self.state_segments()
         if segments > 1:
             return self.advance_in_segments(initial, segments, v, strength, W, U0, U, h)
@@ -937,23 +982,31 @@ class _ChunkRun:
 
     def scans_states(self):
         """Whether the additive rule's state passes run as every chunk's own writes at once, then a
-        scan over the chunks (`advance_by_scan`) instead of `_chunk_state_kernel`, whose sequential
-        loop forms a product every chunk: below 32 sequence-heads, where that loop runs on few
-        programs for many chunks (H200, H16 D128, session 15: sGLA's forward at B1xT32768 758 ->
-        605 us, its state passes 478 -> 322; RLA's fused pass stays: unfused with two scans it ran
-        1,447 -> 1,485)."""
+        scan over the chunks (`chunk_additions`, `scan`) instead of `_chunk_state_kernel`, whose
+        sequential loop forms a product every chunk: below 32 sequence-heads, where that loop runs
+        on few programs for many chunks (H200, H16 D128, session 15: sGLA's forward at B1xT32768
+        758 -> 605 us, its state passes 478 -> 322). RLA's too, R's additions made with its writes
+        and P formed there, no gram kernel: its forward at B1xT32768 1,458 -> 1,248 us against the
+        fused pass, its backward (whose recomputed forward takes the same path) 6,293 -> 6,153
+        (session 17). With R's additions in a kernel of their own and P from the gram kernel it
+        had lost (1,447 -> 1,485 us, session 15)."""
         return not self.delta and self.layout.num_sequences * self.shape["HV"] < 32
 
-    def advance_by_scan(self, initial, v, strength, h):
-        """One additive state's pass from `initial` over the writes diag(strength) v: what every chunk
-        adds (`_chunk_local_state_kernel`, into h), then the scan that turns it into the chunk-start
-        states (`_chunk_state_scan_kernel`). Returns the final state."""
-        layout, HV, Dk, Dv = self.layout, self.shape["HV"], self.shape["DK"], self.shape["DV"]
+    def chunk_additions(self, v, strength, h):
+        """What every chunk of an additive state adds by its end from the writes diag(strength) v
+        (`_chunk_local_state_kernel`, into h), all at once. Returns the chunks' log decays."""
+        layout, HV, Dv = self.layout, self.shape["HV"], self.shape["DV"]
         BV = min(self.BV_full, 64)
         chunk_decay = torch.empty(layout.num_chunks, HV, device=h.device, dtype=torch.float32)
         _chunk_local_state_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
             self.k, v, self.g, strength, h, chunk_decay, *self.tables, **self.shape, BC=self.chunk_size, BK=self.BK,
             BV=BV, DT=self.DT, VARLEN=layout.varlen, num_warps=self.warps)
+        return chunk_decay
+
+    def scan(self, initial, h, chunk_decay):
+        """An additive state's pass from `initial` by scan (`_chunk_state_scan_kernel`): h holds
+        what every chunk adds on entry, the chunk-start states on exit. Returns the final state."""
+        layout, HV, Dk, Dv = self.layout, self.shape["HV"], self.shape["DK"], self.shape["DV"]
         final = initial.clone(memory_format=torch.contiguous_format)  # the scan advances it in place
         _chunk_state_scan_kernel[(_cdiv(Dk * Dv, SCAN_BLOCK), layout.num_sequences * HV)](
             chunk_decay, h, final, layout.cu_seqlens, layout.chunk_offsets, layout.T, layout.NT, HV, Dk, Dv,
@@ -1050,8 +1103,11 @@ def forward_chunk_size(update, residual, sequences, HV):
     the call 590 -> 482; at B2xT8192 the state kernel 137 -> 107, the call 264 -> 243. The output
     kernel over whole chunks of 128 had taken 266 -> 420 us, hence its programs of OUTPUT_ROWS
     rows (275 us). At B8xT2048 (128 sequence-heads) the state kernel in chunks of 128 lost (77 ->
-    82 us); the other rules' T^-1 costs 4x in chunks of 128 (gdn's gram kernel 162 -> 648 us)."""
-    long_chunks = update == "additive" and not residual and sequences * HV < 64
+    82 us); the delta rule's T^-1 costs 4x in chunks of 128 (gdn's gram kernel 162 -> 648 us).
+    RLA's below 32 sequence-heads, where its passes are scans too: 1,248 -> 1,130 us at
+    B1xT32768 (session 17). From 32 its one fused pass lost in chunks of 128 (340 -> 627 us at
+    B2xT8192, session 17)."""
+    long_chunks = update == "additive" and sequences * HV < (32 if residual else 64)
     return LONG_CHUNK_SIZE if long_chunks else CHUNK_SIZE
 
 

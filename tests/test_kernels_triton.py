@@ -116,7 +116,8 @@ def kernels_modules():
 def test_chunked_forward_in_chunks_of_128_matches_reference(name, update, residual, kaczmarz, case, decay,
                                                             monkeypatch):
     """A forward without gradients in chunks of 128 (`forward_chunk_size`, sGLA's below 64
-    sequence-heads; forced here for every rule): T^-1 from blocks of 32, the output kernel's
+    sequence-heads, RLA's below 32; forced here for every rule): T^-1 from blocks of 32, RLA's
+    writes kernel over whole value rows (`writes_launch`), the output kernel's
     programs over 64 rows each, the second reading the chunk's first 64 rows' writes whole. T not
     a multiple of 64 nor 128, packed sequences, and 8x the log decay (e^(G_i - G_j) across the
     row blocks must stay masked where it would overflow). Relative error <= 1e-5 in fp32, but for
@@ -157,11 +158,13 @@ def test_additive_forward_in_chunks_of_128_each_way_matches_reference(name, upda
 
 
 @pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
-def test_forward_chunk_size_is_long_for_sgla_below_64_sequence_heads_only(name, update, residual, kaczmarz):
+def test_forward_chunk_size_is_long_for_sgla_below_64_and_rla_below_32_sequence_heads_only(name, update, residual,
+                                                                                         kaczmarz):
+    expected = {"sgla": [128, 128, 128, 128, 64, 64], "rla": [128, 128, 64, 64, 64, 64]}
     for module in kernels_modules():
         sizes = [module.forward_chunk_size(update, residual, sequences, heads)
-                 for sequences, heads in ((1, 16), (2, 31), (4, 16), (1, 64))]
-        assert sizes == ([128, 128, 64, 64] if name == "sgla" else [64] * 4)
+                 for sequences, heads in ((1, 16), (1, 31), (2, 16), (2, 31), (4, 16), (1, 64))]
+        assert sizes == expected.get(name, [64] * 6)
 
 
 @pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[0] in ("sgla", "rla")])
@@ -309,8 +312,7 @@ def test_additive_states_by_scan_or_sequential_kernel_match_reference(name, upda
         monkeypatch.setattr(module, "SCAN_CHUNKS", 2 if DEVICE == "cpu" else 16)
         monkeypatch.setattr(module._ChunkRun, "scans_states", lambda run: scan)
         monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: False)
-        monkeypatch.setattr(module._ChunkRun, "advance_by_scan",
-                            lambda run, *args, original=module._ChunkRun.advance_by_scan:
+        monkeypatch.setattr(module._ChunkRun, "scan", lambda run, *args, original=module._ChunkRun.scan:
                             scans.append(True) or original(run, *args))
     x, cu_seqlens = case_inputs(case, residual, kaczmarz)
     x["g"] = x["g"] * decay

@@ -48,14 +48,17 @@ def launches(BK, BV_full, delta, residual, fp32):
     state_tile = min(BV_full, 64)
     stages, backward_stages = kernels.pipeline_stages(fp32, BK, delta, residual)
     keys_warps, keys_stages, keys_value_tile = kernels.grad_keys_launch(delta, residual, BV_full)
+    long_writes_tile, long_writes_warps = kernels.writes_launch(kernels.LONG_CHUNK_SIZE, BV_full, warps)
     return [
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK), kernels.GRAM_WARPS, 3),
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
         (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, BOTH_STATES=False, STORE_Z=False), warps,
          stages),
-        # The residual rules' writes of R: the forward's, and the backward's recompute (storing z).
-        *[(kernels._chunk_residual_writes_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STORE_Z=store_z), warps,
-           stages) for store_z in (False, True)],
+        # The residual rules' writes of R: the forward's, and the backward's recompute (storing z); RLA's
+        # below 32 sequence-heads adding R's writes to R for its scan (ADDS_TO_STATE).
+        *[(kernels._chunk_residual_writes_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), ADDS_TO_STATE=adds,
+                                                       STORE_Z=store_z), warps, stages)
+          for adds in (False, True) for store_z in (False, True)],
         # RLA's two passes in one (below 64 sequence-heads, so tiles of 16 or 32), forward and recompute.
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), BOTH_STATES=True, STORE_Z=store_z),
            warps, stages) for store_z in (False, True)],
@@ -67,7 +70,7 @@ def launches(BK, BV_full, delta, residual, fp32):
         (kernels._chunk_state_join_kernel, dict(BK=BK, BV=min(BV_full, 64)), warps, 3),
         # The output kernel; and sGLA's forward without gradients below 64 sequence-heads, in chunks of
         # LONG_CHUNK_SIZE: the output kernel, the state kernel (from 32 sequence-heads, tiles of 32)
-        # and the scan's kernels (below 32).
+        # and the scan's kernels (below 32, RLA's too, with its writes kernel).
         *[(kernels._chunk_output_kernel, dict(BC=chunk, BR=kernels.OUTPUT_ROWS, BK=BK,
                                              BV=kernels.output_tile(BK, BV_full)), warps, stages)
           for chunk in (64, kernels.LONG_CHUNK_SIZE)],
@@ -76,6 +79,8 @@ def launches(BK, BV_full, delta, residual, fp32):
         (kernels._chunk_local_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_scan_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, CHUNKS=kernels.SCAN_CHUNKS,
                                                 BLOCK=kernels.SCAN_BLOCK), kernels.SCAN_WARPS, 3),
+        (kernels._chunk_residual_writes_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=long_writes_tile,
+                                                     ADDS_TO_STATE=True, STORE_Z=False), long_writes_warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STATE_PART=not delta),
          warps, 3),
         # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz.
@@ -210,12 +215,15 @@ def main():
                                 not residual and fn in (kernels._chunk_residual_writes_kernel,
                                                         kernels._chunk_residual_grad_kernel) or \
                                 constexprs.get("BOTH_STATES") and (delta or not residual) or \
-                                constexprs.get("BC") == kernels.LONG_CHUNK_SIZE != 64 and (delta or residual):
-                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins;
-                            # only sGLA runs chunks of LONG_CHUNK_SIZE
+                                constexprs.get("ADDS_TO_STATE") and delta or \
+                                constexprs.get("BC") == kernels.LONG_CHUNK_SIZE != 64 and \
+                                (delta or residual and fn is kernels._chunk_state_kernel):
+                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
+                            # nor adds R's writes to R; only sGLA and RLA (by scan) run chunks of LONG_CHUNK_SIZE
                         label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
                                  f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
                                  f"{' both_states' if constexprs.get('BOTH_STATES') else ''}"
+                                 f"{' adds_to_state' if constexprs.get('ADDS_TO_STATE') else ''}"
                                  f"{' gated_read' if constexprs.get('GATED_READ') else ''}"
                                  f"{' pred' if constexprs.get('PRED') else ''}"
                                  f"{' chunks of ' + str(constexprs['BC']) if constexprs.get('BC', 64) != 64 else ''}")
