@@ -1095,10 +1095,10 @@ class _ChunkRun:
 
 def forward_chunk_size(update, residual, sequences, HV):
     """The chunk length of a forward whose backward will not run: LONG_CHUNK_SIZE for sGLA below
-    64 sequence-heads. Below 32 its state passes are the scan's, whose kernels store every
-    chunk's state twice (what it adds, then where it starts); from 32 the sequential state loop
-    runs on too few programs to fill the GPU (4 value tiles a sequence-head at D128): longer
-    chunks halve both the states stored and the loop's steps. Timed (forward kernels, H200, H16
+    64 sequence-heads and RLA below 32, else CHUNK_SIZE. Below 32 sGLA's state passes are the
+    scan's, whose kernels store every chunk's state twice (what it adds, then where it starts);
+    from 32 the sequential state loop runs on too few programs to fill the GPU (4 value tiles a
+    sequence-head at D128): longer chunks halve both the states stored and the loop's steps. Timed (forward kernels, H200, H16
     D128, session 16): at B1xT32768 the local-state kernel 161 -> 124 us, the scan 162 -> 81,
     the call 590 -> 482; at B2xT8192 the state kernel 137 -> 107, the call 264 -> 243. The output
     kernel over whole chunks of 128 had taken 266 -> 420 us, hence its programs of OUTPUT_ROWS
