@@ -127,8 +127,8 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 # the rows of a short tail chunk load as zeros (g = 0, strength b = 0, k = 0), which neither
 # decay nor write any state. Five kernels (two for sGLA; see below for few long sequences), each
 # serving every rule:
-#   _chunk_gram_kernel (delta rule, residual rules), every chunk at once, from K K^T by blocks of a
-#       quarter chunk (few warps suit them): T^-1, T = I + diag(b) strictly_lower(e^(G_i - G_j) K K^T),
+#   _chunk_gram_kernel (delta rule; RLA's fused pass), every chunk at once, from K K^T by blocks of
+#       a quarter chunk (few warps suit them): T^-1, T = I + diag(b) strictly_lower(e^(G_i - G_j) K K^T),
 #       for S and, with the residual state, for R; and the residual rules' prediction operator
 #       P = strictly_lower(e^(G_prev_i - G_j) K K^T), so that no sequential loop forms K K^T;
 #   _chunk_wy_kernel (delta rule), every chunk at once: the WY terms
@@ -139,16 +139,17 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 #       rules run it twice, S's pass then R's, one state each;
 #   _chunk_residual_writes_kernel (residual rules), every chunk at once, between the two passes:
 #       pred = e^(G_prev) K h + P U from S's chunk-start states, and R's writes from the clipped
-#       residual clip(v - pred) (for the delta rule, R's U0 = T_R^-1 diag(b_R) r). For RLA from
-#       32 to 63 (sequence, head) pairs, the state kernel does all three in one pass (BOTH_STATES);
+#       residual clip(v - pred) (for the delta rule, R's U0 = T_R^-1 diag(b_R) r; RLA forms P
+#       here). For RLA from 32 to 63 (sequence, head) pairs, the state kernel does all three in one
+#       pass (BOTH_STATES);
 #   _chunk_output_kernel, every chunk at once: o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U,
 #       for the residual rules the exclusive base read plus gamma times R's read.
 # Few long sequences of the additive rule (sGLA, RLA) leave most SMs idle along the state loop.
 # Below 32 (sequence, head) pairs (_ChunkRun.scans_states) its passes run as
 # _chunk_local_state_kernel, every chunk's own addition to the state at once, then
 # _chunk_state_scan_kernel, which turns them into the chunk-start states a few chunks a step with
-# no product with the state; RLA's writes kernel then also forms P and stores what R's writes add
-# to R, for R's scan. Otherwise, where few programs would still run the loop, it runs on
+# no product with the state; RLA's writes kernel then stores what R's writes add to R, for R's
+# scan. Otherwise, where few programs would still run the loop, it runs on
 # segments of each sequence side by side from zero states, _chunk_segment_starts_kernel carries
 # the segments' end states into their true start states, and _chunk_state_join_kernel adds them,
 # decayed, to every chunk-start state at once (S is linear in its start state); RLA then runs R's
@@ -605,9 +606,12 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
     None of it needs R, so R's recurrence is S's again, over other writes. With ADDS_TO_STATE
     (the additive rule, whose R then advances by scan) no pass reads R's writes again: what they
     add to R by the chunk's end, (e^(G_last - G) K)^T U_R, goes to h_residual in their place, as
-    `_chunk_local_state_kernel` stores S's; and P is formed here, not read (stored for the
-    backward when STORE_Z): no other kernel of that forward needs it, and in chunks of 128 the
-    gram kernel's blocks took 298 us for P alone (H200, H16 D128, B1xT32768, session 17)."""
+    `_chunk_local_state_kernel` stores S's. The delta rule reads P from the gram kernel, which
+    forms K K^T for T^-1 anyway; the additive rule forms P here (stored for the backward when
+    STORE_Z), where the gram kernel would run for P alone: H200, H16 D128, session 17, RLA's
+    forward 532 -> 502 us at B8xT2048, 577 -> 549 at B4xT4096, its backward call 2,701 -> 2,642
+    and 2,787 -> 2,731; in chunks of 128 the gram kernel's blocks took 298 us for P at
+    B1xT32768."""
     value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     rows = start + tl.arange(0, BC)
@@ -623,12 +627,12 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
     else:
         U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
     G = tl.cumsum(g, axis=0)
-    if ADDS_TO_STATE:
+    if DELTA:
+        P = _load_lower(P_ptr, rows, row_ok, head, HV, BC)
+    else:
         P = _decayed(_mm(k, tl.trans(k), DT), G - g, G, True, BC)
         if STORE_Z and value_tile == 0:
             _store_rows(P_ptr, rows, row_ok, head, HV, tl.arange(0, BC), BC, P)
-    else:
-        P = _load_lower(P_ptr, rows, row_ok, head, HV, BC)
     residual = _clipped_residual(k, v, h, U, P, G - g, clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
     scaled = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
     if DELTA:
@@ -889,11 +893,10 @@ class _ChunkRun:
             if residual:
                 self.X_residual, self.W_residual = empty(L, HV, chunk_size), empty(L, HV, Dk)
         fused = residual and self.fuse_residual_passes()
-        # RLA's passes by scan form P with R's writes, and store it only for the backward.
-        scans_residual = residual and not fused and self.scans_states()
-        if residual and (store_z or not scans_residual):
+        # RLA's writes kernel forms P itself, stored only for the backward; its fused pass reads P.
+        if residual and (delta or fused or store_z):
             self.P = empty(L, HV, chunk_size)
-        if (delta or (residual and not scans_residual)) and inverse is None:
+        if (delta or fused) and inverse is None:
             _chunk_gram_kernel[(layout.num_chunks, HV)](
                 k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, layout.T, layout.NT,
                 HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta, RESIDUAL=residual, **common, num_warps=GRAM_WARPS)
@@ -904,7 +907,7 @@ class _ChunkRun:
         if fused:
             self.S, self.R = self.advance_both(S0, R0, store_z)
             return
-        if scans_residual:
+        if residual and self.scans_states():
             # RLA with every pass over all chunks at once: R's additions come with its writes.
             chunk_decay = self.chunk_additions(v, beta, self.h)
             self.S = self.scan(S0, self.h, chunk_decay)
