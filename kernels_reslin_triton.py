@@ -622,14 +622,12 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     g = _token_scalars(g_ptr, rows, row_ok, head, HV)
     v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-    if DELTA:
-        U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
-    else:
-        U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
     G = tl.cumsum(g, axis=0)
     if DELTA:
+        U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
         P = _load_lower(P_ptr, rows, row_ok, head, HV, BC)
     else:
+        U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
         P = _decayed(_mm(k, tl.trans(k), DT), G - g, G, True, BC)
         if STORE_Z and value_tile == 0:
             _store_rows(P_ptr, rows, row_ok, head, HV, tl.arange(0, BC), BC, P)
