@@ -149,12 +149,12 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
 # _chunk_local_state_kernel, every chunk's own addition to the state at once, then
 # _chunk_state_scan_kernel, which turns them into the chunk-start states a few chunks a step with
 # no product with the state; RLA's writes kernel then stores what R's writes add to R, for R's
-# scan. Otherwise, where few programs would still run the loop, it runs on
-# segments of each sequence side by side from zero states, _chunk_segment_starts_kernel carries
-# the segments' end states into their true start states, and _chunk_state_join_kernel adds them,
-# decayed, to every chunk-start state at once (S is linear in its start state); RLA then runs R's
-# pass the same way, its writes read from the joined h (_ChunkRun.state_segments says when, and
-# why not for the delta rule).
+# scan. Otherwise, where few programs would still run the loop, it runs on segments of each
+# sequence side by side from zero states, _chunk_segment_starts_kernel carries the segments' end
+# states into their true start states, and _chunk_state_join_kernel adds them, decayed, to every
+# chunk-start state at once (S is linear in its start state); RLA then runs R's pass the same
+# way, its writes read from the joined h (_ChunkRun.state_segments says when, and why not for
+# the delta rule).
 # Precision: states, decays and the inverse's blocks in fp32 (merged with tf32 dots for bf16/fp16
 # inputs); the large dots take their operands in the input dtype (bf16/fp16 tensor cores, fp32
 # accumulation); everything is exact fp32 ("ieee") for fp32 inputs. T^-1, P, W, U0, U and h are
@@ -1099,9 +1099,9 @@ def forward_chunk_size(update, residual, sequences, HV):
     64 sequence-heads and RLA below 32, else CHUNK_SIZE. Below 32 sGLA's state passes are the
     scan's, whose kernels store every chunk's state twice (what it adds, then where it starts);
     from 32 the sequential state loop runs on too few programs to fill the GPU (4 value tiles a
-    sequence-head at D128): longer chunks halve both the states stored and the loop's steps. Timed (forward kernels, H200, H16
-    D128, session 16): at B1xT32768 the local-state kernel 161 -> 124 us, the scan 162 -> 81,
-    the call 590 -> 482; at B2xT8192 the state kernel 137 -> 107, the call 264 -> 243. The output
+    sequence-head at D128): longer chunks halve both the states stored and the loop's steps.
+    Timed (forward kernels, H200, H16 D128, session 16): at B1xT32768 the local-state kernel 161
+    -> 124 us, the scan 162 -> 81, the call 590 -> 482; at B2xT8192 the state kernel 137 -> 107, the call 264 -> 243. The output
     kernel over whole chunks of 128 had taken 266 -> 420 us, hence its programs of OUTPUT_ROWS
     rows (275 us). At B8xT2048 (128 sequence-heads) the state kernel in chunks of 128 lost (77 ->
     82 us); the delta rule's T^-1 costs 4x in chunks of 128 (gdn's gram kernel 162 -> 648 us).
