@@ -369,11 +369,11 @@ def _store_inverse(M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, strength_pt
 def _chunk_gram_kernel(k_ptr, g_ptr, strength_ptr, residual_strength_ptr, cu_seqlens_ptr, chunk_seq_ptr,
                        chunk_offsets_ptr, X_ptr, X_residual_ptr, P_ptr, T, NT, HV, GROUP, DK, BC: tl.constexpr,
                        BLOCK: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
-                       RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
+                       RESIDUAL: tl.constexpr, STORE_P: tl.constexpr, VARLEN: tl.constexpr):
     """What a chunk's K K^T gives, by 16 x 16 blocks: for the delta rule T^-1 for S (write
-    strength beta) and, with the residual state, for R (its write strength); for the residual
-    rules the prediction operator P = strictly_lower(e^(G_prev_i - G_j) K K^T), which `_pred`
-    reads so that the sequential kernels need no K K^T in their loops."""
+    strength beta) and, with the residual state, for R (its write strength); with STORE_P (RLA's
+    fused pass) the prediction operator P = strictly_lower(e^(G_prev_i - G_j) K K^T), which
+    `_pred` reads so that the sequential kernel needs no K K^T in its loop."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     fixed = (end, head, HV, GROUP, DK)
@@ -387,7 +387,7 @@ def _chunk_gram_kernel(k_ptr, g_ptr, strength_ptr, residual_strength_ptr, cu_seq
             _mm(k3, tl.trans(k0), DT), _mm(k3, tl.trans(k1), DT), _mm(k3, tl.trans(k2), DT),
             _mm(k3, tl.trans(k3), DT))
     blocks = (rows0, ok0, rows1, ok1, rows2, ok2, rows3, ok3, head, HV)
-    if RESIDUAL:
+    if STORE_P:
         _store_lower(*_decayed_blocks(*gram, Gp0, Gp1, Gp2, Gp3, G0, G1, G2, G3, BLOCK), P_ptr, *blocks, BC, BLOCK)
     if DELTA:
         A = _decayed_blocks(*gram, G0, G1, G2, G3, G0, G1, G2, G3, BLOCK)
@@ -614,12 +614,13 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
     None of it needs R, so R's recurrence is S's again, over other writes. With ADDS_TO_STATE
     (the additive rule, whose R then advances by scan) no pass reads R's writes again: what they
     add to R by the chunk's end, (e^(G_last - G) K)^T U_R, goes to h_residual in their place, as
-    `_chunk_local_state_kernel` stores S's. The delta rule reads P from the gram kernel, which
-    forms K K^T for T^-1 anyway; the additive rule forms P here (stored for the backward when
-    STORE_Z), where the gram kernel would run for P alone: H200, H16 D128, session 17, RLA's
-    forward 532 -> 502 us at B8xT2048, 577 -> 549 at B4xT4096, its backward call 2,701 -> 2,642
-    and 2,787 -> 2,731; in chunks of 128 the gram kernel's blocks took 298 us for P at
-    B1xT32768."""
+    `_chunk_local_state_kernel` stores S's. P is formed here (stored for the backward when
+    STORE_Z), not read from the gram kernel. H200, H16 D128: RLA's forward, for which the gram
+    kernel ran for P alone, 532 -> 502 us at B8xT2048, 577 -> 549 at B4xT4096, its backward call
+    2,701 -> 2,642 and 2,787 -> 2,731 (session 17; in chunks of 128 the gram kernel's blocks took
+    298 us for P at B1xT32768); RDN's forward 2,404 -> 2,347 us at B1xT32768, 880 -> 853 at
+    B8xT2048 (session 18). Making R's W here too (the WY kernel's for S alone) lost: RDN's writes
+    kernel 295 -> 421 us, its WY kernel 292 -> 176."""
     value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     rows = start + tl.arange(0, BC)
@@ -631,14 +632,13 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
     g = _token_scalars(g_ptr, rows, row_ok, head, HV)
     v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
     G = tl.cumsum(g, axis=0)
+    P = _decayed(_mm(k, tl.trans(k), DT), G - g, G, True, BC)
+    if STORE_Z and value_tile == 0:
+        _store_rows(P_ptr, rows, row_ok, head, HV, tl.arange(0, BC), BC, P)
     if DELTA:
         U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
-        P = _load_lower(P_ptr, rows, row_ok, head, HV, BC)
     else:
         U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
-        P = _decayed(_mm(k, tl.trans(k), DT), G - g, G, True, BC)
-        if STORE_Z and value_tile == 0:
-            _store_rows(P_ptr, rows, row_ok, head, HV, tl.arange(0, BC), BC, P)
     residual = _clipped_residual(k, v, h, U, P, G - g, clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
     scaled = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
     if DELTA:
@@ -899,13 +899,14 @@ class _ChunkRun:
             if residual:
                 self.X_residual, self.W_residual = empty(L, HV, chunk_size), empty(L, HV, Dk)
         fused = residual and self.fuse_residual_passes()
-        # RLA's writes kernel forms P itself, stored only for the backward; its fused pass reads P.
-        if residual and (delta or fused or store_z):
+        # The writes kernel forms P itself, stored only for the backward; RLA's fused pass reads P.
+        if residual and (fused or store_z):
             self.P = empty(L, HV, chunk_size)
         if (delta or fused) and inverse is None:
             _chunk_gram_kernel[(layout.num_chunks, HV)](
                 k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, layout.T, layout.NT,
-                HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta, RESIDUAL=residual, **common, num_warps=GRAM_WARPS)
+                HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta, RESIDUAL=residual, STORE_P=fused, **common,
+                num_warps=GRAM_WARPS)
         if delta:
             _chunk_wy_kernel[(layout.num_chunks, HV)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,

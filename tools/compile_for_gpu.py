@@ -50,7 +50,8 @@ def launches(BK, BV_full, delta, residual, fp32):
     keys_warps, keys_stages, keys_value_tile = kernels.grad_keys_launch(delta, residual, BV_full)
     long_writes_tile, long_writes_warps = kernels.writes_launch(kernels.LONG_CHUNK_SIZE, BV_full, warps)
     return [
-        (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK), kernels.GRAM_WARPS, 3),
+        (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK, STORE_P=residual and not delta), kernels.GRAM_WARPS,
+         3),
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
         (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, BOTH_STATES=False, STORE_Z=False), warps,
          stages),
