@@ -614,8 +614,8 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
     kernel ran for P alone, 532 -> 502 us at B8xT2048, 577 -> 549 at B4xT4096, its backward call
     2,701 -> 2,642 and 2,787 -> 2,731 (session 17; in chunks of 128 the gram kernel's blocks took
     298 us for P at B1xT32768); RDN's forward 2,404 -> 2,347 us at B1xT32768, 880 -> 853 at
-    B8xT2048 (session 18). Making R's W here too (the WY kernel's for S alone) lost: RDN's writes
-    kernel 295 -> 421 us, its WY kernel 292 -> 176."""
+    B8xT2048 (session 18, both with an inverse since reverted). Making R's W here too (the WY
+    kernel's for S alone) lost: RDN's writes kernel 295 -> 421 us, its WY kernel 292 -> 176."""
     value_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     rows = start + tl.arange(0, BC)

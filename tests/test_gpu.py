@@ -145,10 +145,10 @@ def test_triton_chunked_forward_bf16_at_real_sizes(name, update, residual, kaczm
 
 @pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES)
 def test_triton_chunked_forward_bf16_with_repeated_keys(name, update, residual, kaczmarz, monkeypatch):
-    """Keys repeated in runs of about 20 tokens (1 to 119), strong writes (beta in (0.9, 1) but for the
-    Kaczmarz rules) and weak decay, bf16, B2 x T4096, H = 16, D = 128: T's inverse then has
-    entries of order 1 built from blocks of aligned keys, where an inverse summed as a power
-    series in tf32 cancels binomially large terms (simulated: errors up to 0.46)."""
+    """Keys repeated in runs of about 20 tokens (1 to 119), strong writes (beta in (0.9, 1) but
+    for the Kaczmarz rules) and weak decay, bf16, B2 x T4096, H = 16, D = 128: T's inverse then
+    has entries of order 1 built from blocks of aligned keys, where an inverse summed as a power
+    series in tf32 cancels binomially large terms (simulated on these keys: errors up to 2)."""
     x = make_inputs(2, 4096, 16, 16, 128, 128, residual, kaczmarz=kaczmarz)
     gen = torch.Generator().manual_seed(1)
     run_starts = torch.zeros(4096, dtype=torch.bool)
