@@ -46,6 +46,7 @@ def launches(BK, BV_full, delta, residual, fp32):
     """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
     warps = 4 if BK <= 128 else 8
     state_tile = min(BV_full, 64)
+    reverse_tile = min(BV_full, 32 if delta else 64)  # `_ChunkRun.state_tile(reverse=True)` from 128 sequence-heads
     stages, backward_stages = kernels.pipeline_stages(fp32, BK, delta, residual)
     keys_warps, keys_stages, keys_value_tile = kernels.grad_keys_launch(delta, residual, BV_full)
     long_writes_tile, long_writes_warps = kernels.writes_launch(kernels.LONG_CHUNK_SIZE, BV_full, warps)
@@ -85,7 +86,7 @@ def launches(BK, BV_full, delta, residual, fp32):
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STATE_PART=not delta),
          warps, 3),
         # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz.
-        *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=state_tile, GATED_READ=gated, PRED=pred,
+        *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=reverse_tile, GATED_READ=gated, PRED=pred,
                                                        WHOLE_DU=delta),
            warps, backward_stages) for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
         (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
