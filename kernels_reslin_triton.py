@@ -168,8 +168,9 @@ CHUNK_SIZE = 64
 # every chunk's state twice. The output kernel still reads OUTPUT_ROWS rows a program.
 LONG_CHUNK_SIZE = 128
 OUTPUT_ROWS = 64
-# One warp per chunk for T^-1 and P: its sequential block inverses leave more warps idle (on the
-# H200 at B4xT4096 H8 D128, gdn's gram kernel took 41 us on 1 warp, 87 on 2, 164 on 4).
+# One warp per chunk for T^-1 and P: its 16 x 16 blocks leave more warps idle (on the H200 at
+# B4xT4096 H8 D128, gdn's gram kernel took 41 us on 1 warp, 87 on 2, 164 on 4; session 18, with
+# the series inverse, H16 B1xT32768: 96 on 1, 157 on 2, 285 on 4).
 GRAM_WARPS = 1
 
 # The additive rule's state recurrence over few long sequences is split into segments (see
@@ -321,18 +322,31 @@ def _store_lower(B00, B10, B11, B20, B21, B22, B30, B31, B32, B33, ptr, rows0, o
 
 
 @triton.jit
-def _invert_unit_lower(A, BLOCK: tl.constexpr):
-    """(I + A)^-1 for a strictly lower-triangular A by forward substitution: row i of the
-    inverse is e_i - A_i (I + A)^-1, and A_i only reaches rows above i, which are final. Not the
-    power series (I - A)(I + A^2)(I + A^4)(I + A^8) on tensor cores, though it made the gram
-    kernel 2x faster: in tf32 its binomially large terms cancel for aligned (repeated) keys, to
-    errors up to 2 on entries of size 1 (simulated, session 18)."""
+def _invert_unit_lower(A, BLOCK: tl.constexpr, DT: tl.constexpr):
+    """(I + A)^-1 for a strictly lower-triangular A by doubling: where X inverts I + A's diagonal
+    blocks of `size` rows, X - X A' X inverts its blocks of 2 size rows, A' being A's blocks just
+    below X's (A' X A' = 0). From X = I - A' at size 1, three doublings for blocks of 16, two
+    products each on tensor cores (tf32 for bf16/fp16 inputs), whose factors are blocks of the
+    inverse itself: within 9.1e-4 of the inverse in tf32 on repeated keys (simulated, session 18;
+    on the GPU, test_gpu.py's repeated keys, its outputs and states are as far from the fp32
+    reference as forward substitution's, 1.1e-2 for gdn, as are FLA's). The power series
+    (I - A)(I + A^2)(I + A^4)(I + A^8), as many products, cancels binomially large terms there
+    (outputs off by 1e9 on that test). Forward substitution, a row at a time, was slow: H200,
+    H16 D128, session 19, the gram kernel at B1xT32768 gdn 161 -> 99 us, rdn 308 -> 158 (the
+    series: 97 and 175), at B8xT2048 gdn 81 -> 50, rdn 153 -> 82."""
+    tl.static_assert(BLOCK <= 64)
     r = tl.arange(0, BLOCK)
-    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, BLOCK):
-        a_row = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)
-        X = tl.where(r[:, None] == i, X - tl.sum(a_row[:, None] * X, axis=0)[None, :], X)
+    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - tl.where(_below_blocks(r, 1), A, 0.0)
+    for step in tl.static_range(1, 6):
+        if (1 << step) < BLOCK:
+            X -= _mm_fp32(X, _mm_fp32(tl.where(_below_blocks(r, 1 << step), A, 0.0), X, DT), DT)
     return X
+
+
+@triton.jit
+def _below_blocks(r, size: tl.constexpr):
+    """Where the rows of each odd block of `size` rows meet the block before it."""
+    return ((r[:, None] // size) % 2 == 1) & (r[None, :] // size == r[:, None] // size - 1)
 
 
 @triton.jit
@@ -345,10 +359,10 @@ def _store_inverse(M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, strength_pt
     b1 = _token_scalars(strength_ptr, rows1, ok1, head, HV)[:, None]
     b2 = _token_scalars(strength_ptr, rows2, ok2, head, HV)[:, None]
     b3 = _token_scalars(strength_ptr, rows3, ok3, head, HV)[:, None]
-    X00 = _invert_unit_lower(b0 * M00, BLOCK)
-    X11 = _invert_unit_lower(b1 * M11, BLOCK)
-    X22 = _invert_unit_lower(b2 * M22, BLOCK)
-    X33 = _invert_unit_lower(b3 * M33, BLOCK)
+    X00 = _invert_unit_lower(b0 * M00, BLOCK, DT)
+    X11 = _invert_unit_lower(b1 * M11, BLOCK, DT)
+    X22 = _invert_unit_lower(b2 * M22, BLOCK, DT)
+    X33 = _invert_unit_lower(b3 * M33, BLOCK, DT)
     X10 = -_mm_fp32(X11, _mm_fp32(b1 * M10, X00, DT), DT)
     X21 = -_mm_fp32(X22, _mm_fp32(b2 * M21, X11, DT), DT)
     X20 = -_mm_fp32(X22, _mm_fp32(b2 * M20, X00, DT) + _mm_fp32(b2 * M21, X10, DT), DT)
