@@ -112,10 +112,10 @@ def test_triton_decode_bf16_at_real_sizes(name, update, residual, kaczmarz, B, m
         assert rel_err(R, R_ref) < 5e-3
 
 
-def assert_triton_forward_matches_torch(x, update, residual, monkeypatch):
+def assert_triton_forward_matches_torch(x, update, residual, monkeypatch, tolerance=5e-3):
     """The chunked Triton forward against the fp32 reference (the chunked torch backend, itself
-    checked against the per-token one above): relative error <= 5e-3 for outputs and final
-    states; fresh outputs NaN-filled so that an element never written shows."""
+    checked against the per-token one above): relative error <= `tolerance` for outputs and
+    final states; fresh outputs NaN-filled so that an element never written shows."""
     real_empty = torch.empty
 
     def nan_filled(*size, **kwargs):
@@ -130,9 +130,8 @@ def assert_triton_forward_matches_torch(x, update, residual, monkeypatch):
     o, (S, R) = reslin_attention(*args, backend="triton", **kwargs)
     o_ref, (S_ref, R_ref) = reslin_attention(*args, backend="torch", **kwargs)
     assert torch.isfinite(o).all()
-    assert rel_err(o, o_ref) < 5e-3 and rel_err(S, S_ref) < 5e-3
-    if residual:
-        assert rel_err(R, R_ref) < 5e-3
+    for name, got, ref in (("o", o, o_ref), ("S", S, S_ref)) + ((("R", R, R_ref),) if residual else ()):
+        assert rel_err(got, ref) < tolerance, f"{name}: {rel_err(got, ref):.2e}"
 
 
 @pytest.mark.parametrize("name,update,residual,kaczmarz,B,T,H,D", chunked_cases([(2, 8192, 16, 128), (1, 131072, 16, 128), (2, 4096, 8, 256), (4, 4096, 16, 64)]))
@@ -148,7 +147,11 @@ def test_triton_chunked_forward_bf16_with_repeated_keys(name, update, residual, 
     """Keys repeated in runs of about 20 tokens (1 to 119), strong writes (beta in (0.9, 1) but
     for the Kaczmarz rules) and weak decay, bf16, B2 x T4096, H = 16, D = 128: T's inverse then
     has entries of order 1 built from blocks of aligned keys, where an inverse summed as a power
-    series in tf32 cancels binomially large terms (simulated on these keys: errors up to 2)."""
+    series in tf32 cancels binomially large terms (on the H200, session 19: outputs off by 10 for
+    kla and by 1e9 for gdn, states by 7e-2 and more). Relative error <= 2e-2: on these inputs the
+    intermediates stored in bf16 set a floor near 1e-2 (forward substitution and doubling alike:
+    gdn 1.1e-2 for outputs, 9.0e-3 for states, as FLA 0.6.0's chunk_gated_delta_rule; rdn's R
+    1.3e-2)."""
     x = make_inputs(2, 4096, 16, 16, 128, 128, residual, kaczmarz=kaczmarz)
     gen = torch.Generator().manual_seed(1)
     run_starts = torch.zeros(4096, dtype=torch.bool)
@@ -161,7 +164,7 @@ def test_triton_chunked_forward_bf16_with_repeated_keys(name, update, residual, 
     if not kaczmarz:
         x["beta"] = 0.9 + 0.1 * x["beta"]
     x["g"] = x["g"] * 0.05
-    assert_triton_forward_matches_torch(to_cuda(x, torch.bfloat16), update, residual, monkeypatch)
+    assert_triton_forward_matches_torch(to_cuda(x, torch.bfloat16), update, residual, monkeypatch, tolerance=2e-2)
 
 
 @pytest.mark.parametrize("Dk,Dv,residual", [(100, 72, False), (48, 40, True)])
