@@ -997,7 +997,7 @@ class _ChunkRun:
             self.k, v, self.g, strength, W, U0, U, h, states, self.gamma_write, self.P, self.z, self.U_residual,
             self.h_residual, residual_states if both else states, cu_seqlens, chunk_offsets, self.clip, **self.shape,
             BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta, BOTH_STATES=both,
-            STORE_Z=store_z, VARLEN=varlen, num_warps=self.warps, num_stages=self.stages)
+            STORE_Z=store_z, VARLEN=varlen, num_warps=self.warps, num_stages=self.state_stages())
 
     def scans_states(self):
         """Whether the additive rule's state passes run as every chunk's own writes at once, then a
@@ -1098,6 +1098,14 @@ class _ChunkRun:
             return min(self.BV_full, 16)
         wide = sequence_heads >= 128 and not self.delta if reverse else sequence_heads >= 64
         return min(self.BV_full, 64 if wide else 32)
+
+    def state_stages(self):
+        """num_stages of `_chunk_state_kernel`: one more than the other kernels' at tiles of 16,
+        whose shared memory leaves room for it (sm_90, bf16, D128: 144 KB at 4 stages, 179 KB at
+        5). H200, H16 D128, B1xT32768 (session 20): gdn's state kernel 617 -> 590 us, rdn's two
+        passes 1,233 -> 1,181; at 5 stages 601 and 1,201. Tiles of 32 on 8 warps there lost (892)."""
+        deeper = self.state_tile() == 16 and self.stages == 3  # 3: 16-bit inputs, D <= 128
+        return self.stages + deeper
 
     def output(self, scale):
         o = torch.empty_like(self.v)
