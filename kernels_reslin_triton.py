@@ -416,9 +416,10 @@ def _load_lower(ptr, rows, row_ok, head, HV, BC: tl.constexpr):
 def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X_ptr, X_residual_ptr,
                      cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, W_ptr, U0_ptr, W_residual_ptr,
                      T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     DT: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
-    """The WY terms of a chunk: W = X diag(b e^G) K and U0 = X diag(b) V for S, and W for R
-    (R's U0 needs the residual, which the state kernel forms)."""
+                     DT: tl.constexpr, RESIDUAL: tl.constexpr, STORE_W: tl.constexpr, VARLEN: tl.constexpr):
+    """The WY terms of a chunk: U0 = X diag(b) V for S and, with STORE_W, W = X diag(b e^G) K for
+    S and R (R's U0 needs the residual, which the state kernel forms). Without STORE_W the state
+    passes read X and K in W's place (`_ChunkRun.writes_from_inverse`)."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     rows = start + tl.arange(0, BC)
@@ -429,9 +430,10 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV)
     X = _load_lower(X_ptr, rows, row_ok, head, HV, BC)
-    _store_rows(W_ptr, rows, row_ok, head, HV, kcols, DK, _mm(X, (strength * decay)[:, None] * k, DT))
     _store_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV, _mm(X, strength[:, None] * v, DT))
-    if RESIDUAL:
+    if STORE_W:
+        _store_rows(W_ptr, rows, row_ok, head, HV, kcols, DK, _mm(X, (strength * decay)[:, None] * k, DT))
+    if RESIDUAL and STORE_W:
         residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
         X = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
         _store_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK,
@@ -493,8 +495,8 @@ def _state_tile(seq_head, kcols, vcols, DK, DV):
 def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S_ptr, residual_strength_ptr,
                         P_ptr, z_ptr, U_residual_ptr, h_residual_ptr, R_ptr, cu_seqlens_ptr, chunk_offsets_ptr, clip,
                         T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        DT: tl.constexpr, DELTA: tl.constexpr, BOTH_STATES: tl.constexpr, STORE_Z: tl.constexpr,
-                        VARLEN: tl.constexpr):
+                        DT: tl.constexpr, DELTA: tl.constexpr, W_FROM_INVERSE: tl.constexpr,
+                        BOTH_STATES: tl.constexpr, STORE_Z: tl.constexpr, VARLEN: tl.constexpr):
     """Chunk after chunk of one (sequence, value head, value tile) of one state: stores the
     chunk-start states h and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed
     where read), then S = e^(G_last) h + (e^(G_last - G) K)^T U. S_ptr holds the initial state
@@ -502,7 +504,8 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
     its own writes (`_chunk_residual_writes_kernel`) in place of V, or of U0 and W. Or, for RLA
     (BOTH_STATES, additive rule only), S and R together: R's writes made from S's chunk-start
     state as that kernel makes them, kept in registers; R_ptr as S_ptr. Every step is separable
-    by value column, so a program owns the same value tile of S and R."""
+    by value column, so a program owns the same value tile of S and R. With W_FROM_INVERSE W_ptr
+    holds T^-1, and W h = T^-1 diag(b e^G) (K h) is formed from it and the chunk's keys."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -529,8 +532,13 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
         else:
             k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         if DELTA:
-            W = _load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK)
-            U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32) - _mm(W, S, DT)
+            U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+            if W_FROM_INVERSE:
+                keys_read = _token_scalars(strength_ptr, rows, row_ok, head, HV) * tl.exp(G)
+                keys_read = keys_read[:, None] * _mm(tl.trans(k_t), S, DT)
+                U -= _mm(_load_lower(W_ptr, rows, row_ok, head, HV, BC), keys_read, DT)
+            else:
+                U -= _mm(_load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK), S, DT)
             _store_rows(U_ptr, rows, row_ok, head, HV, vcols, DV, U)
         else:
             v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
@@ -867,7 +875,7 @@ class _ChunkRun:
     The residual rules would keep three such tensors (T^-1, T_R^-1 and P) and recompute them."""
 
     def __init__(self, q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
-                 store_z=False, keep_inverse=False, inverse=None):
+                 for_backward=False, keep_inverse=False, inverse=None):
         B, T, H, Dk = q.shape
         HV, Dv = v.shape[2:]
         L = B * T
@@ -876,6 +884,7 @@ class _ChunkRun:
         self.q, self.k, self.v, self.g, self.beta, self.gamma, self.gamma_write = map(
             flat, (q, k, v, g, beta, gamma, gamma_write))
         self.residual, self.delta, self.clip, self.chunk_size = gamma is not None, update == "delta", clip, chunk_size
+        self.for_backward = for_backward
         q, k, v, g, beta = self.q, self.k, self.v, self.g, self.beta
         residual, delta = self.residual, self.delta
         empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=q.dtype)  # noqa: E731
@@ -883,7 +892,7 @@ class _ChunkRun:
         self.h_residual, self.U_residual = ((empty(layout.num_chunks, HV, Dk, Dv), empty(L, HV, Dv))
                                             if residual else (self.h, v))
         # z = v - pred in fp32, for the backward (its clip decisions are the forward's own).
-        store_z = store_z and residual
+        store_z = for_backward and residual
         self.z = torch.empty(L, HV, Dv, device=q.device, dtype=torch.float32) if store_z else v
         # Unused pointers point at a real tensor; the kernels never read them.
         self.X = self.X_residual = self.P = self.W = self.W_residual = U0 = self.U = v
@@ -904,9 +913,14 @@ class _ChunkRun:
             # it (the blocks above the diagonal), not whatever the memory held.
             fresh_inverse = torch.zeros if keep_inverse and self.keeps_inverse else torch.empty
             self.X = fresh_inverse(L, HV, chunk_size, device=q.device, dtype=q.dtype) if inverse is None else inverse
-            self.W, U0, self.U = empty(L, HV, Dk), empty(L, HV, Dv), empty(L, HV, Dv)
+            U0, self.U = empty(L, HV, Dv), empty(L, HV, Dv)
             if residual:
-                self.X_residual, self.W_residual = empty(L, HV, chunk_size), empty(L, HV, Dk)
+                self.X_residual = empty(L, HV, chunk_size)
+            store_w = not self.writes_from_inverse()
+            if store_w:
+                self.W = empty(L, HV, Dk)
+                if residual:
+                    self.W_residual = empty(L, HV, Dk)
         fused = residual and self.fuse_residual_passes()
         # The writes kernel forms P itself, stored only for the backward; RLA's fused pass reads P.
         if residual and (fused or store_z):
@@ -919,7 +933,7 @@ class _ChunkRun:
         if delta:
             _chunk_wy_kernel[(layout.num_chunks, HV)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
-                **self.shape, BV=self.BV_full, RESIDUAL=residual, **common, num_warps=self.warps)
+                **self.shape, BV=self.BV_full, RESIDUAL=residual, STORE_W=store_w, **common, num_warps=self.warps)
         if fused:
             self.S, self.R = self.advance_both(S0, R0, store_z)
             return
@@ -930,12 +944,14 @@ class _ChunkRun:
             self.residual_writes(store_z, adds_to_state=True)
             self.R = self.scan(R0, self.h_residual, chunk_decay)
             return
-        self.S = self.advance(S0, v, beta, self.W, U0, self.U, self.h)
+        from_inverse = self.writes_from_inverse()
+        self.S = self.advance(S0, v, beta, self.X if from_inverse else self.W, U0, self.U, self.h)
         if not residual:
             self.R = self.S
             return
         writes = self.residual_writes(store_z, adds_to_state=False)
-        self.R = self.advance(R0, writes, self.gamma_write, self.W_residual, writes, self.U_residual, self.h_residual)
+        self.R = self.advance(R0, writes, self.gamma_write, self.X_residual if from_inverse else self.W_residual, writes,
+                              self.U_residual, self.h_residual)
 
     def residual_writes(self, store_z, adds_to_state):
         """`_chunk_residual_writes_kernel`: R's writes (and z) from S's chunk-start states h, every
@@ -996,7 +1012,8 @@ class _ChunkRun:
         _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
             self.k, v, self.g, strength, W, U0, U, h, states, self.gamma_write, self.P, self.z, self.U_residual,
             self.h_residual, residual_states if both else states, cu_seqlens, chunk_offsets, self.clip, **self.shape,
-            BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta, BOTH_STATES=both,
+            BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
+            W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both,
             STORE_Z=store_z, VARLEN=varlen, num_warps=self.warps, num_stages=self.state_stages())
 
     def scans_states(self):
@@ -1098,6 +1115,18 @@ class _ChunkRun:
             return min(self.BV_full, 16)
         wide = sequence_heads >= 128 and not self.delta if reverse else sequence_heads >= 64
         return min(self.BV_full, 64 if wide else 32)
+
+    def writes_from_inverse(self):
+        """Whether the forward's delta-rule state passes form W h = T^-1 diag(b e^G) (K h) from
+        T^-1 and the keys they load anyway, in place of reading W, which the WY kernel then never
+        forms: one more dot on the loop's chain for W's writes and reads. H200, H16 D128 (session
+        20): at B8xT2048 (128 sequence-heads) gdn's forward 404 -> 370 us (WY 88 -> 43, state
+        136 -> 147), rdn's 862 -> 785 (WY 143 -> 45, passes 272 -> 294); at B4xT4096 (64) the
+        passes lost more than WY gained (gdn 402 -> 430, rdn 854 -> 899), as they do below (tiles
+        of 16 and 32, session 17). The backward's recompute keeps W, which its reverse passes read
+        (reading T^-1 there too lost 14-16 us). Not at D256, where the loop spills (192 B, sm_90)."""
+        sequence_heads = self.layout.num_sequences * self.shape["HV"]
+        return self.delta and not self.for_backward and self.BK <= 128 and sequence_heads >= 128
 
     def state_stages(self):
         """num_stages of `_chunk_state_kernel`: one more than the other kernels' at tiles of 16,
@@ -1560,7 +1589,7 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     HV, Dv = v.shape[2:]
     L = B * T
     run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
-                    store_z=True, inverse=inverse)
+                    for_backward=True, inverse=inverse)
     layout, residual = run.layout, run.residual
     do = do.reshape(L, HV, Dv).contiguous()
     start_grad = lambda d, like: torch.zeros_like(like) if d is None else \

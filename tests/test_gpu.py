@@ -134,10 +134,14 @@ def assert_triton_forward_matches_torch(x, update, residual, monkeypatch, tolera
         assert rel_err(got, ref) < tolerance, f"{name}: {rel_err(got, ref):.2e}"
 
 
-@pytest.mark.parametrize("name,update,residual,kaczmarz,B,T,H,D", chunked_cases([(2, 8192, 16, 128), (1, 131072, 16, 128), (2, 4096, 8, 256), (4, 4096, 16, 64)]))
+FORWARD_SHAPES = [(2, 8192, 16, 128), (8, 2048, 16, 128), (1, 131072, 16, 128), (2, 4096, 8, 256), (4, 4096, 16, 64)]
+
+
+@pytest.mark.parametrize("name,update,residual,kaczmarz,B,T,H,D", chunked_cases(FORWARD_SHAPES))
 def test_triton_chunked_forward_bf16_at_real_sizes(name, update, residual, kaczmarz, B, T, H, D, monkeypatch):
-    """The chunked Triton forward, bf16 inputs, H = 16, D = 128, 16K tokens and one 131072-token
-    sequence (64-bit offsets), and the other head sizes (their own pipelining depths)."""
+    """The chunked Triton forward, bf16 inputs, H = 16, D = 128, 16K tokens (in 8 sequences the
+    delta rule's passes form W h from T^-1) and one 131072-token sequence (64-bit offsets), and the
+    other head sizes (their own pipelining depths)."""
     x = to_cuda(make_inputs(B, T, H, H, D, D, residual, kaczmarz=kaczmarz), torch.bfloat16)
     assert_triton_forward_matches_torch(x, update, residual, monkeypatch)
 

@@ -293,6 +293,24 @@ def test_residual_additive_states_in_one_pass_or_two_match_reference(case, one_p
         assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
 
 
+@pytest.mark.parametrize("from_inverse", [True, False], ids=["from_inverse", "reads_w"])
+@pytest.mark.parametrize("case", GRAD_CASES[:2], ids=["batch", "varlen"])
+@pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "delta"])
+def test_delta_state_passes_from_inverse_or_w_match_reference(name, update, residual, kaczmarz, case, from_inverse,
+                                                              monkeypatch):
+    """The forward's delta-rule state passes form W h from T^-1 and the keys from 128 sequence-heads
+    on, the WY kernel then forming no W, and read W below and in the backward's recompute
+    (`_ChunkRun.writes_from_inverse`): each way of the forward forced here. Outputs, final states
+    and every gradient against the reference, relative error <= 1e-5 in fp32."""
+    for module in kernels_modules():
+        monkeypatch.setattr(module._ChunkRun, "writes_from_inverse", lambda run: from_inverse and not run.for_backward)
+    x, cu_seqlens = case_inputs(case, residual, kaczmarz)
+    labels, ref = outputs_and_gradients(x, update, residual, cu_seqlens, "recurrent")
+    _, got = outputs_and_gradients(x, update, residual, cu_seqlens, "triton")
+    for label, a, b in zip(labels, got, ref):
+        assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
+
+
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "sequential"])
 @pytest.mark.parametrize("case,decay", [(GRAD_CASES[0], 1), (GRAD_CASES[1], 1), (GRAD_CASES[-1], 1),
                                         ((1, 200, 1, 2, 16, 16, None), 8)],

@@ -53,16 +53,24 @@ def launches(BK, BV_full, delta, residual, fp32):
     return [
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK, STORE_P=residual and not delta), kernels.GRAM_WARPS,
          3),
-        (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, 3),
-        (kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, BOTH_STATES=False, STORE_Z=False), warps,
-         stages),
+        # W for the passes that read it; the forward's from 128 sequence-heads form W h from T^-1
+        # (`_ChunkRun.writes_from_inverse`). Below 64 sequence-heads, tiles of 16 (4 stages) and 32.
+        *[(kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full, STORE_W=store_w), warps, 3)
+          for store_w in (True, False)],
+        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, W_FROM_INVERSE=from_inverse,
+                                             BOTH_STATES=False, STORE_Z=False), warps, stages)
+          for from_inverse in ((False, True) if delta and BK <= 128 else (False,))],
+        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, tile), W_FROM_INVERSE=False,
+                                             BOTH_STATES=False, STORE_Z=False), warps, stages + (tile == 16))
+          for tile in (16, 32) if delta and stages == 3],
         # The residual rules' writes of R: the forward's, and the backward's recompute (storing z); RLA's
         # below 32 sequence-heads adding R's writes to R for its scan (ADDS_TO_STATE).
         *[(kernels._chunk_residual_writes_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), ADDS_TO_STATE=adds,
                                                        STORE_Z=store_z), warps, stages)
           for adds in (False, True) for store_z in (False, True)],
         # RLA's two passes in one (below 64 sequence-heads, so tiles of 16 or 32), forward and recompute.
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), BOTH_STATES=True, STORE_Z=store_z),
+        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), W_FROM_INVERSE=False,
+                                             BOTH_STATES=True, STORE_Z=store_z),
            warps, stages) for store_z in (False, True)],
         # The additive rule's passes below 32 sequence-heads: every chunk's writes, then the scan.
         (kernels._chunk_local_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
@@ -76,8 +84,8 @@ def launches(BK, BV_full, delta, residual, fp32):
         *[(kernels._chunk_output_kernel, dict(BC=chunk, BR=kernels.OUTPUT_ROWS, BK=BK,
                                              BV=kernels.output_tile(BK, BV_full)), warps, stages)
           for chunk in (64, kernels.LONG_CHUNK_SIZE)],
-        (kernels._chunk_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 32), BOTH_STATES=False,
-                                           STORE_Z=False), warps, stages),
+        (kernels._chunk_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 32), W_FROM_INVERSE=False,
+                                           BOTH_STATES=False, STORE_Z=False), warps, stages),
         (kernels._chunk_local_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_scan_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, CHUNKS=kernels.SCAN_CHUNKS,
                                                 BLOCK=kernels.SCAN_BLOCK), kernels.SCAN_WARPS, 3),
