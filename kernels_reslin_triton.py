@@ -433,11 +433,11 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X
     _store_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV, _mm(X, strength[:, None] * v, DT))
     if STORE_W:
         _store_rows(W_ptr, rows, row_ok, head, HV, kcols, DK, _mm(X, (strength * decay)[:, None] * k, DT))
-    if RESIDUAL and STORE_W:
-        residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
-        X = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
-        _store_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK,
-                    _mm(X, (residual_strength * decay)[:, None] * k, DT))
+        if RESIDUAL:
+            residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
+            X = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
+            _store_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK,
+                        _mm(X, (residual_strength * decay)[:, None] * k, DT))
 
 
 @triton.jit
@@ -534,8 +534,8 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
         if DELTA:
             U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
             if W_FROM_INVERSE:
-                keys_read = _token_scalars(strength_ptr, rows, row_ok, head, HV) * tl.exp(G)
-                keys_read = keys_read[:, None] * _mm(tl.trans(k_t), S, DT)
+                row_scale = _token_scalars(strength_ptr, rows, row_ok, head, HV) * tl.exp(G)
+                keys_read = row_scale[:, None] * _mm(tl.trans(k_t), S, DT)
                 U -= _mm(_load_lower(W_ptr, rows, row_ok, head, HV, BC), keys_read, DT)
             else:
                 U -= _mm(_load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK), S, DT)
