@@ -950,8 +950,8 @@ class _ChunkRun:
             self.R = self.S
             return
         writes = self.residual_writes(store_z, adds_to_state=False)
-        self.R = self.advance(R0, writes, self.gamma_write, self.X_residual if from_inverse else self.W_residual, writes,
-                              self.U_residual, self.h_residual)
+        W_residual = self.X_residual if from_inverse else self.W_residual
+        self.R = self.advance(R0, writes, self.gamma_write, W_residual, writes, self.U_residual, self.h_residual)
 
     def residual_writes(self, store_z, adds_to_state):
         """`_chunk_residual_writes_kernel`: R's writes (and z) from S's chunk-start states h, every
@@ -1156,10 +1156,11 @@ def forward_chunk_size(update, residual, sequences, HV):
     from 32 the sequential state loop runs on too few programs to fill the GPU (4 value tiles a
     sequence-head at D128): longer chunks halve both the states stored and the loop's steps.
     Timed (forward kernels, H200, H16 D128, session 16): at B1xT32768 the local-state kernel 161
-    -> 124 us, the scan 162 -> 81, the call 590 -> 482; at B2xT8192 the state kernel 137 -> 107, the call 264 -> 243. The output
-    kernel over whole chunks of 128 had taken 266 -> 420 us, hence its programs of OUTPUT_ROWS
-    rows (275 us). At B8xT2048 (128 sequence-heads) the state kernel in chunks of 128 lost (77 ->
-    82 us); the delta rule's T^-1 costs 4x in chunks of 128 (gdn's gram kernel 162 -> 648 us).
+    -> 124 us, the scan 162 -> 81, the call 590 -> 482; at B2xT8192 the state kernel 137 -> 107,
+    the call 264 -> 243. The output kernel over whole chunks of 128 had taken 266 -> 420 us, hence
+    its programs of OUTPUT_ROWS rows (275 us). At B8xT2048 (128 sequence-heads) the state kernel
+    in chunks of 128 lost (77 -> 82 us); the delta rule's T^-1 costs 4x in chunks of 128 (gdn's
+    gram kernel 162 -> 648 us).
     RLA's below 32 sequence-heads, where its passes are scans too: 1,248 -> 1,130 us at
     B1xT32768 (session 17). From 32 its one fused pass lost in chunks of 128 (340 -> 627 us at
     B2xT8192, session 17)."""
