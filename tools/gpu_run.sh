@@ -10,9 +10,13 @@
 #
 # Jobs (limit in seconds):
 #   tests        pytest -m gpu: the GPU tests, 4 workers (560; on a freshly started machine they
-#                took longer in session 15: run its two halves in two calls)
-#   tests-kernels  the first half: tests/test_gpu.py, the chunked kernels at real sizes (560)
-#   tests-others   the second half: the GPU tests of every other file (560)
+#                took longer in session 15: run its parts in calls of their own)
+#   tests-kernels  tests/test_gpu.py, the chunked kernels at real sizes (560)
+#   tests-graphs   tests/test_cuda_graphs.py, generation through CUDA graphs (560)
+#   tests-others   the GPU tests of every other file: conversion, fused layers, MQAR, and the two-GPU
+#                tests, which skip on one GPU (560; with tests-graphs it did not end within 560 s
+#                in session 21)
+#   The test jobs name every test as it ends (-v), so that a job cut short says what ran.
 #   suite        the whole test suite, compiled kernels (600)
 #   layers       the fused layer kernels' tests and the PEFT tests, all of them compiled (240)
 #   convert      the conversion test against FLA's GPU kernels (300)
@@ -56,16 +60,18 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|tests-kernels|tests-others|suite|layers|convert|forward|backward|kernels|variants|variants-forward|decode|generate|training|compile|prefill|context|ddp|compare) ;;
+    tests|tests-kernels|tests-graphs|tests-others|suite|layers|convert|forward|backward|kernels|variants|variants-forward|decode|generate|training|compile|prefill|context|ddp|compare) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
 summary=()
 for name in "$@"; do
   case $name in
-    tests) job tests 560 python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu ;;
-    tests-kernels) job tests-kernels 560 python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu tests/test_gpu.py ;;
-    tests-others) job tests-others 560 python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu --ignore tests/test_gpu.py ;;
+    tests) job tests 560 python3 -m pytest -v -n 4 -p no:cacheprovider -m gpu ;;
+    tests-kernels) job tests-kernels 560 python3 -m pytest -v -n 4 -p no:cacheprovider -m gpu tests/test_gpu.py ;;
+    tests-graphs) job tests-graphs 560 python3 -m pytest -v -n 4 -p no:cacheprovider -m gpu tests/test_cuda_graphs.py ;;
+    tests-others) job tests-others 560 python3 -m pytest -v -n 4 -p no:cacheprovider -m gpu \
+      --ignore tests/test_gpu.py --ignore tests/test_cuda_graphs.py ;;
     suite) job suite 600 python3 -m pytest -q -n 6 -p no:cacheprovider ;;
     layers) job layers 240 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_layers_triton.py tests/test_peft.py ;;
     convert) job convert 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_convert.py -k gpu_bf16 ;;
