@@ -1,0 +1,49 @@
+"""benchmarks/common.py's handle on FLA's autotuners: retune_fla finds every autotuned kernel of
+FLA's modules, also under triton.heuristics, and makes it tune again without the disk cache."""
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@triton.jit
+def _copy_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets))
+
+
+def _tuned(cache_results):
+    configs = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})]
+    return triton.autotune(configs=configs, key=[], cache_results=cache_results)(_copy_kernel)
+
+
+def test_retune_fla_clears_every_fla_autotuner_and_its_disk_cache(monkeypatch):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import common
+
+    plain, under_heuristics, elsewhere = _tuned(True), _tuned(True), _tuned(True)
+    fla_module = types.ModuleType("fla.ops.fake_for_test")
+    fla_module.plain = plain
+    fla_module.under_heuristics = triton.heuristics({"EXTRA": lambda args: 1})(under_heuristics)
+    fla_module.not_a_kernel = 3
+    other_module = types.ModuleType("not_fla_for_test")
+    other_module.kernel = elsewhere
+    monkeypatch.setitem(sys.modules, fla_module.__name__, fla_module)
+    monkeypatch.setitem(sys.modules, other_module.__name__, other_module)
+    for tuner in (plain, under_heuristics, elsewhere):
+        tuner.cache[("key",)] = tuner.configs[0]
+        tuner.cache_results = True  # as FLA asks; the interpreter would have turned it off
+
+    tuners = common.fla_autotuners()
+    assert plain in tuners and under_heuristics in tuners and elsewhere not in tuners
+    common.retune_fla()
+    assert plain.cache == {} and under_heuristics.cache == {}
+    assert not plain.cache_results and not under_heuristics.cache_results
+    assert elsewhere.cache == {("key",): elsewhere.configs[0]} and elsewhere.cache_results
