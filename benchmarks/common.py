@@ -94,6 +94,17 @@ def retune_fla():
         tuner.cache_results = False
 
 
+def fla_picks():
+    """{FLA kernel name: its autotuner's picks, one per tuned shape}: what this process's tuning
+    chose (see retune_fla), printed beside FLA's times so that runs can be compared."""
+    picks = {}
+    for tuner in fla_autotuners():
+        for config in tuner.cache.values():
+            settings = ", ".join(f"{key}={value}" for key, value in config.all_kwargs().items())
+            picks.setdefault(tuner.base_fn.__name__, []).append(settings)
+    return picks
+
+
 def print_header(what):
     """One line naming the device and the versions, so that results are read with their setting."""
     try:

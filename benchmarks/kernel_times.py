@@ -6,7 +6,8 @@ torch.profiler and prints every kernel's GPU time per call, ours then FLA's base
 rule (the same baselines as bench_forward.py), each with its share of the kernels' total, and
 beside that total the call's own time as bench_forward.py measures it and the host's time to
 issue it (a call slower than its kernels, taking about its host time, is bound by the host:
-Python and launches).
+Python and launches). Under FLA's times, the configs its autotuning picked so far in the process
+(one per kernel and tuned shape), which may differ between runs.
 
     python benchmarks/kernel_times.py [--shapes 8x2048 1x32768] [--rules gdn rdn] [--backward]
     python benchmarks/kernel_times.py --smoke   # tiny sizes on a CPU: checks the script runs
@@ -23,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_forward import parse_shape, rule_calls
-from common import DEVICE, RULES, host_ms, import_fla, lift_fla_backward_guard, median_ms, print_header
+from common import DEVICE, RULES, fla_picks, host_ms, import_fla, lift_fla_backward_guard, median_ms, print_header
 
 
 def kernel_times(call, repeats):
@@ -85,6 +86,8 @@ def main(argv=None):
                 if fla_call is not None:
                     name, call = fla_call
                     print_times(f"FLA {name}", call, args.repeats)
+                    for kernel, settings in sorted(fla_picks().items()):
+                        print(f"    FLA's tuning picked for {kernel}: {'; '.join(settings)}")
 
 if __name__ == "__main__":
     main()

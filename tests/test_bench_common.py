@@ -1,5 +1,6 @@
 """benchmarks/common.py's handle on FLA's autotuners: retune_fla finds every autotuned kernel of
-FLA's modules, also under triton.heuristics, and makes it tune again without the disk cache."""
+FLA's modules, also under triton.heuristics, and makes it tune again without the disk cache;
+fla_picks says what they picked."""
 
 import sys
 import types
@@ -43,6 +44,8 @@ def test_retune_fla_clears_every_fla_autotuner_and_its_disk_cache(monkeypatch):
 
     tuners = common.fla_autotuners()
     assert plain in tuners and under_heuristics in tuners and elsewhere not in tuners
+    picked = "BLOCK=16, num_warps=4, num_ctas=1, num_stages=3"
+    assert common.fla_picks() == {"_copy_kernel": [picked, picked]}  # the two FLA tuners, one shape each
     common.retune_fla()
     assert plain.cache == {} and under_heuristics.cache == {}
     assert not plain.cache_results and not under_heuristics.cache_results
