@@ -20,16 +20,16 @@ def _copy_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offsets, tl.load(x_ptr + offsets))
 
 
-def _tuned(cache_results):
+def _tuned():
     configs = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})]
-    return triton.autotune(configs=configs, key=[], cache_results=cache_results)(_copy_kernel)
+    return triton.autotune(configs=configs, key=[])(_copy_kernel)
 
 
 def test_retune_fla_clears_every_fla_autotuner_and_its_disk_cache(monkeypatch):
     sys.path.insert(0, str(REPO / "benchmarks"))
     import common
 
-    plain, under_heuristics, elsewhere = _tuned(True), _tuned(True), _tuned(True)
+    plain, under_heuristics, elsewhere = _tuned(), _tuned(), _tuned()
     fla_module = types.ModuleType("fla.ops.fake_for_test")
     fla_module.plain = plain
     fla_module.under_heuristics = triton.heuristics({"EXTRA": lambda args: 1})(under_heuristics)
@@ -40,7 +40,7 @@ def test_retune_fla_clears_every_fla_autotuner_and_its_disk_cache(monkeypatch):
     monkeypatch.setitem(sys.modules, other_module.__name__, other_module)
     for tuner in (plain, under_heuristics, elsewhere):
         tuner.cache[("key",)] = tuner.configs[0]
-        tuner.cache_results = True  # as FLA asks; the interpreter would have turned it off
+        tuner.cache_results = True  # as FLA asks by default (the interpreter turns it off)
 
     tuners = common.fla_autotuners()
     assert plain in tuners and under_heuristics in tuners and elsewhere not in tuners
