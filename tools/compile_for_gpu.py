@@ -37,8 +37,7 @@ INDEX_POINTERS = ("cu_seqlens_ptr", "chunk_seq_ptr", "chunk_offsets_ptr")
 # buffers in the input dtype (dq, dk and dv too: GROUP is 1 here).
 FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "starts_ptr", "segment_decay_ptr", "chunk_decay_ptr",
                  "g_ptr", "strength_ptr", "residual_strength_ptr", "gamma_ptr",
-                 "dS_ptr", "dR_ptr", "dh_next_ptr", "dU_ptr", "dh_next_residual_ptr", "dU_residual_ptr",
-                 "residual_ptr", "dz_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
+                 "dS_ptr", "dR_ptr", "residual_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
                  "dresidual_strength_ptr")
 
 
