@@ -451,12 +451,15 @@ def _pred(k, h, U, P, G_prev, DT: tl.constexpr):
 def _clipped_residual(k, v, h, U, P, G_prev, clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT: tl.constexpr,
                       STORE_Z: tl.constexpr):
     """The residual clip(v - pred, -c, c) of a chunk's rows that R writes, from S's chunk-start
-    state h and its writes U. z = v - pred is stored for the backward when STORE_Z (its clip
-    decisions are the forward's own)."""
+    state h and its writes U. z = v - pred is stored for the backward when STORE_Z, in the
+    inputs' dtype, as +-inf where it was clipped: the backward's clip decisions are then the
+    forward's own, however z rounds near the clip."""
     z = v - _pred(k, h, U, P, G_prev, DT)
+    residual = tl.minimum(tl.maximum(z, -clip), clip)
     if STORE_Z:
-        _store_rows(z_ptr, rows, row_ok, head, HV, vcols, DV, z)
-    return tl.minimum(tl.maximum(z, -clip), clip)
+        clipped = tl.where(z > 0, float("inf"), float("-inf"))
+        _store_rows(z_ptr, rows, row_ok, head, HV, vcols, DV, tl.where(residual == z, z, clipped))
+    return residual
 
 
 @triton.jit
@@ -891,9 +894,8 @@ class _ChunkRun:
         self.h = empty(layout.num_chunks, HV, Dk, Dv)
         self.h_residual, self.U_residual = ((empty(layout.num_chunks, HV, Dk, Dv), empty(L, HV, Dv))
                                             if residual else (self.h, v))
-        # z = v - pred in fp32, for the backward (its clip decisions are the forward's own).
-        store_z = for_backward and residual
-        self.z = torch.empty(L, HV, Dv, device=q.device, dtype=torch.float32) if store_z else v
+        store_z = for_backward and residual  # z = v - pred, for the backward (`_clipped_residual`)
+        self.z = empty(L, HV, Dv) if store_z else v
         # Unused pointers point at a real tensor; the kernels never read them.
         self.X = self.X_residual = self.P = self.W = self.W_residual = U0 = self.U = v
         if not residual:
@@ -1299,7 +1301,7 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, W_ptr, do_ptr, 
 
 @triton.jit
 def _chunk_residual_grad_kernel(residual_strength_ptr, X_residual_ptr, P_ptr, z_ptr, dU_residual_ptr, dz_ptr,
-                                dU_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, clip, T, NT, HV, DV,
+                                dU_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, HV, DV,
                                 BC: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
                                 VARLEN: tl.constexpr):
     """Every chunk at once, between R's reverse pass and S's (the adjoint of
@@ -1316,7 +1318,7 @@ def _chunk_residual_grad_kernel(residual_strength_ptr, X_residual_ptr, P_ptr, z_
         dr = _mm(tl.trans(_load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)), dr, DT)
     dr = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * dr
     z = _load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV)
-    dz = tl.where((z >= -clip) & (z <= clip), dr, 0.0)
+    dz = tl.where(tl.abs(z) < float("inf"), dr, 0.0)  # +-inf where the forward clipped
     _store_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV, dz)
     dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) - \
         _mm(tl.trans(_load_lower(P_ptr, rows, row_ok, head, HV, BC)), dz, DT)
@@ -1641,7 +1643,7 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     if residual:  # R's pass first: its gradient reaches S's through pred (dz), never the other way
         reverse_pass(dR0, dh_next_residual, dU_residual, run.W_residual, gated_read=True, pred=False)
         _chunk_residual_grad_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
-            run.gamma_write, run.X_residual, run.P, run.z, dU_residual, dz, dU, *run.tables, clip, layout.T,
+            run.gamma_write, run.X_residual, run.P, run.z, dU_residual, dz, dU, *run.tables, layout.T,
             layout.NT, HV, Dv, BC=chunk_size, BV=BV, DT=run.DT, DELTA=run.delta, VARLEN=layout.varlen,
             num_warps=run.warps)
     reverse_pass(dS0, dh_next, dU, run.W, gated_read=False, pred=residual)
