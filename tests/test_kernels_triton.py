@@ -247,6 +247,25 @@ def test_chunked_backward_matches_reference(name, update, residual, kaczmarz, ca
         assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
 
 
+@pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[2]])
+def test_backward_keeps_the_forwards_clip_decisions(name, update, residual, kaczmarz):
+    """The backward's recompute stores z = v - pred in the inputs' dtype, whose rounding near the
+    clip could flip a decision, so it stores +-inf where the forward clipped. A sequence's first
+    token reads only the initial state, pred = S0^T k: there the stored z must be v - S0^T k
+    within the clip and +-inf (z's sign) beyond it, in fp32."""
+    B, H, HV, D, clip = 4, 2, 4, 16, 0.5
+    x = on_device(make_inputs(B, 1, H, HV, D, D, residual, kaczmarz))
+    module = kernels_modules()[0]
+    run = module._ChunkRun(x["q"], x["k"], x["v"], x["g"], x["beta"], x["gamma"], x["gamma"], update, clip, x["S0"],
+                           x["R0"], None, module.CHUNK_SIZE, for_backward=True)
+    z = x["v"] - torch.einsum("bhkv,bthk->bthv", x["S0"], x["k"].repeat_interleave(HV // H, dim=2))
+    clipped = z.abs() > clip
+    assert 0 < clipped.sum() < clipped.numel()
+    stored = run.z.view_as(z)
+    assert torch.equal(stored[clipped], z[clipped].sign() * float("inf"))
+    torch.testing.assert_close(stored[~clipped], z[~clipped], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "delta"])
 def test_delta_rule_backward_takes_the_forwards_inverse(name, update, residual, kaczmarz, monkeypatch):
     """The forward op keeps T^-1 for the delta rule without the residual state, and the backward
