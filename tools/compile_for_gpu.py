@@ -38,7 +38,7 @@ INDEX_POINTERS = ("cu_seqlens_ptr", "chunk_seq_ptr", "chunk_offsets_ptr")
 FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "starts_ptr", "segment_decay_ptr", "chunk_decay_ptr",
                  "g_ptr", "strength_ptr", "residual_strength_ptr", "gamma_ptr",
                  "dS_ptr", "dR_ptr", "residual_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
-                 "dresidual_strength_ptr")
+                 "dresidual_strength_ptr", "parts_ptr")
 
 
 def launches(BK, BV_full, delta, residual, fp32):
