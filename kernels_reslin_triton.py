@@ -830,18 +830,20 @@ def pipeline_stages(fp32, BK, delta, residual):
     return 3, (2 if residual and delta else 3)
 
 
-def grad_keys_launch(delta, residual, BV_full):
-    """num_warps, num_stages and value tile of `_chunk_grad_keys_kernel`, timed on the H200 (H8
-    D128, against 8 warps, 2 stages, tiles of 64). Session 9: sGLA, with the fewest accumulators,
-    ran 301 -> 211 us on 4 warps (the others lost: gdn 378 -> 388, rdn 976 -> 1,505); gdn gained
-    from 3 stages (378 -> 358). Session 10, over value tiles of 32 with 3 stages: sGLA 210 -> 182,
-    rdn 974 -> 862 (its shared memory 176 -> 98 KB at 2 stages); gdn lost from tiles of 32 (360
-    -> 381), as did RLA (577 -> 631, 579 with 3 stages)."""
-    if not (delta or residual):
-        return 4, 3, min(BV_full, 32)
-    if delta and residual:
-        return 8, 3, min(BV_full, 32)
-    return 8, (3 if delta else 2), min(BV_full, 64)
+def grad_keys_launches(delta, residual, BV_full):
+    """(side, num_warps, num_stages, value tile) of each launch of `_chunk_grad_keys_kernel`,
+    timed on the H200 (H8 D128, against 8 warps, 2 stages, tiles of 64). Session 9: sGLA, with
+    the fewest accumulators, ran 301 -> 211 us on 4 warps (gdn lost: 378 -> 388); gdn gained from
+    3 stages (378 -> 358). Session 10, over value tiles of 32 with 3 stages: sGLA 210 -> 182; gdn
+    lost from tiles of 32 (360 -> 381). The residual rules run two sides of about half the
+    accumulators each, on 4 warps: two programs a SM (sm_90, bf16 D128: the queries' side 253
+    registers, no spills, 76 KB of shared memory; the keys' side RLA's 255 and none, 70 KB,
+    RDN's 255 and 544 B spilled, 102 KB), where the whole kernel on 8 warps (255 registers) runs
+    one. Session 23, H16, B8xT2048 / B2xT8192: RLA 1,085 -> 843 / 1,086 -> 840 us, RDN 1,353 ->
+    1,134 / 1,353 -> 1,135; the keys' side on 8 warps lost (RDN 1,430)."""
+    if not residual:
+        return [(0, 4, 3, min(BV_full, 32))] if not delta else [(0, 8, 3, min(BV_full, 64))]
+    return [(1, 4, 3, min(BV_full, 32)), (2, 4, 3, min(BV_full, 32))]
 
 
 def output_tile(BK, BV_full):
@@ -1383,13 +1385,17 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
                             dU_ptr, dh_next_residual_ptr, dU_residual_ptr, dz_ptr, dq_ptr, dk_ptr, parts_ptr,
                             dX_parts_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, L, HV,
                             GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-                            DELTA: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
+                            DELTA: tl.constexpr, RESIDUAL: tl.constexpr, SIDE: tl.constexpr, VARLEN: tl.constexpr):
     """Per key tile, chunk and value head: dq, and dk but for its part through X (the delta
     rule's; `_chunk_grad_values_kernel` adds it). Their accumulators span BK of the key columns,
     so that a chunk's key tiles run side by side; what needs every key column (the gates'
     gradients, and dX's share through W = X diag(b e^G) K) is stored per key tile (parts_ptr,
     dX_parts_ptr) and summed by `_chunk_grad_values_kernel`. Every product with Q K^T or K K^T
-    is linear in them, so each tile takes its own columns' share."""
+    is linear in them, so each tile takes its own columns' share.
+    SIDE 0 does all of it. The residual rules, with twice the accumulators, run it as two
+    launches: SIDE 1, the queries' side (dO's products with the states and the writes: dq,
+    dgamma, and the dqk^T Q parts of dk and dG, stored), then SIDE 2, the keys' side (the
+    products of dh', dU and dz), which adds those parts to its own."""
     key_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     r = tl.arange(0, BC)
@@ -1397,7 +1403,10 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
     row_ok = rows < end
     kcols = key_tile * BK + tl.arange(0, BK)
     # Kept in the inputs' dtype through the value loop (fewer registers), as the dots take them.
-    q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+    # The loads keep their order of the one-launch kernel (q first, dh' before dO): in another
+    # order SIDE 0 compiled differently and sGLA's launch ran 332 -> 360 us (H200, session 23).
+    if SIDE != 2:
+        q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     g = _token_scalars(g_ptr, rows, row_ok, head, HV)
     strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
@@ -1414,84 +1423,103 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
         vcols = value_start + tl.arange(0, BV)
         h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
         h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
-        dh_next = tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0)
-        do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV)
+        if SIDE != 1:
+            dh_next = tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0)
+        if SIDE != 2:
+            do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV)
         if DELTA:
             U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
-            dW -= _mm(_load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV), tl.trans(h), DT)
+            if SIDE != 1:
+                dW -= _mm(_load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV), tl.trans(h), DT)
         else:
             U = strength[:, None] * _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        dq_reads += _mm(do, tl.trans(h), DT)
-        dP += _mm(do, tl.trans(U), DT)
-        dk_state += _mm(U, tl.trans(dh_next), DT)
-        decay_grad_rows += tl.sum(dh_next * h.to(tl.float32), axis=1)
-        if RESIDUAL:
-            # pred = e^(G_prev) K h + P U reads h and U with gradient -dz (zero where clipped)
-            dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
-            dk_pred -= _mm(dz, tl.trans(h), DT)
-            dP_pred -= _mm(dz, tl.trans(U), DT)
-            h = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
-            dh_next = tl.load(dh_next_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
-            U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV)
-            dq_reads_residual += _mm(do, tl.trans(h), DT)
-            dP_residual += _mm(do, tl.trans(U_residual), DT)
-            dk_state += _mm(U_residual, tl.trans(dh_next), DT)
+        if SIDE != 2:
+            dq_reads += _mm(do, tl.trans(h), DT)
+            dP += _mm(do, tl.trans(U), DT)
+        if SIDE != 1:
+            dk_state += _mm(U, tl.trans(dh_next), DT)
             decay_grad_rows += tl.sum(dh_next * h.to(tl.float32), axis=1)
-            if DELTA:
-                dW_residual -= _mm(_load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV), tl.trans(h), DT)
-    to_row = scale * tl.exp(G)  # the scaled decay from the chunk's start to each row
-    decay = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf")))
-    qk = _mm(q, tl.trans(k), DT)  # this key tile's share of Q K^T
-    q, k = q.to(tl.float32), k.to(tl.float32)
-    part_rows = key_tile * L + rows
-    if RESIDUAL:
-        gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
-        dq_inter_residual = to_row[:, None] * dq_reads_residual
-        dgamma = tl.sum(dq_inter_residual * q, axis=1) + scale * tl.sum(dP_residual * decay * qk, axis=1)
-        _store_part(parts_ptr, part_rows, row_ok, head, HV, 4, dgamma)
-        dq_inter = to_row[:, None] * dq_reads + gamma[:, None] * dq_inter_residual
-        decay_strict = tl.where(r[:, None] > r[None, :], decay, 0.0)
-        dqk = scale * (dP * decay_strict + gamma[:, None] * dP_residual * decay)  # the gradient of Q K^T
-    else:
-        dq_inter = to_row[:, None] * dq_reads
-        dqk = scale * dP * decay
-    dG = tl.sum(dq_inter * q, axis=1) + tl.sum(dqk * qk, axis=1) - tl.sum(dqk * qk, axis=0)
-    dq = dq_inter + _mm(dqk, k, DT)
-    to_chunk_end = tl.exp(G_last - G)
-    dk = _mm(tl.trans(dqk), q, DT) + to_chunk_end[:, None] * dk_state
-    state_grad = tl.sum(dk_state * k, axis=1) * to_chunk_end
-    dG -= state_grad
-    dG_last = tl.sum(decay_grad_rows, axis=0) * tl.exp(G_last) + tl.sum(state_grad, axis=0)
-    if RESIDUAL:
-        G_prev = G - g
-        pred_decay = tl.exp(tl.where(r[:, None] > r[None, :], G_prev[:, None] - G[None, :], float("-inf")))
-        kk = _mm(k, tl.trans(k), DT)  # this key tile's share of K K^T
-        dk += tl.exp(G_prev)[:, None] * dk_pred
-        dG_prev = tl.sum(dk_pred * k, axis=1) * tl.exp(G_prev)
-        dkk = dP_pred * pred_decay
-        dk += _mm(dkk, k, DT) + _mm(tl.trans(dkk), k, DT)
-        dG_prev += tl.sum(dkk * kk, axis=1)
-        dG += dG_prev - tl.sum(dkk * kk, axis=0)
-        _store_part(parts_ptr, part_rows, row_ok, head, HV, 1, dG_prev)
-    if DELTA:
-        dk_write, dstrength, dG_write, dX = _wy_write_backward(
-            _load_lower(X_ptr, rows, row_ok, head, HV, BC), dW, k, G, strength, DT)
-        dk += dk_write
-        dG += dG_write
-        _store_part(parts_ptr, part_rows, row_ok, head, HV, 2, dstrength)
-        _store_rows(dX_parts_ptr, key_tile * 2 * L + rows, row_ok, head, HV, r, BC, dX)
         if RESIDUAL:
-            residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
+            if SIDE != 1:
+                # pred = e^(G_prev) K h + P U reads h and U with gradient -dz (zero where clipped)
+                dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
+                dk_pred -= _mm(dz, tl.trans(h), DT)
+                dP_pred -= _mm(dz, tl.trans(U), DT)
+            h = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
+            U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV)
+            if SIDE != 2:
+                dq_reads_residual += _mm(do, tl.trans(h), DT)
+                dP_residual += _mm(do, tl.trans(U_residual), DT)
+            if SIDE != 1:
+                dh_next = tl.load(dh_next_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
+                dk_state += _mm(U_residual, tl.trans(dh_next), DT)
+                decay_grad_rows += tl.sum(dh_next * h.to(tl.float32), axis=1)
+                if DELTA:
+                    dW_residual -= _mm(_load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV),
+                                       tl.trans(h), DT)
+    if SIDE != 2:
+        to_row = scale * tl.exp(G)  # the scaled decay from the chunk's start to each row
+        decay = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf")))
+        qk = _mm(q, tl.trans(k), DT)  # this key tile's share of Q K^T
+        q, k = q.to(tl.float32), k.to(tl.float32)
+    part_rows = key_tile * L + rows
+    if SIDE != 2:
+        if RESIDUAL:
+            gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
+            dq_inter_residual = to_row[:, None] * dq_reads_residual
+            dgamma = tl.sum(dq_inter_residual * q, axis=1) + scale * tl.sum(dP_residual * decay * qk, axis=1)
+            _store_part(parts_ptr, part_rows, row_ok, head, HV, 4, dgamma)
+            dq_inter = to_row[:, None] * dq_reads + gamma[:, None] * dq_inter_residual
+            decay_strict = tl.where(r[:, None] > r[None, :], decay, 0.0)
+            dqk = scale * (dP * decay_strict + gamma[:, None] * dP_residual * decay)  # the gradient of Q K^T
+        else:
+            dq_inter = to_row[:, None] * dq_reads
+            dqk = scale * dP * decay
+        dG = tl.sum(dq_inter * q, axis=1) + tl.sum(dqk * qk, axis=1) - tl.sum(dqk * qk, axis=0)
+        dq = dq_inter + _mm(dqk, k, DT)
+        dk = _mm(tl.trans(dqk), q, DT)
+    else:  # the queries' side's parts, stored by the launch before
+        dG = tl.load(parts_ptr + (part_rows * HV + head) * 5, mask=row_ok, other=0.0)
+        dk = _load_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK).to(tl.float32)
+    if SIDE != 1:
+        k = k.to(tl.float32)
+        to_chunk_end = tl.exp(G_last - G)
+        dk += to_chunk_end[:, None] * dk_state
+        state_grad = tl.sum(dk_state * k, axis=1) * to_chunk_end
+        dG -= state_grad
+        dG_last = tl.sum(decay_grad_rows, axis=0) * tl.exp(G_last) + tl.sum(state_grad, axis=0)
+        if RESIDUAL:
+            G_prev = G - g
+            pred_decay = tl.exp(tl.where(r[:, None] > r[None, :], G_prev[:, None] - G[None, :], float("-inf")))
+            kk = _mm(k, tl.trans(k), DT)  # this key tile's share of K K^T
+            dk += tl.exp(G_prev)[:, None] * dk_pred
+            dG_prev = tl.sum(dk_pred * k, axis=1) * tl.exp(G_prev)
+            dkk = dP_pred * pred_decay
+            dk += _mm(dkk, k, DT) + _mm(tl.trans(dkk), k, DT)
+            dG_prev += tl.sum(dkk * kk, axis=1)
+            dG += dG_prev - tl.sum(dkk * kk, axis=0)
+            _store_part(parts_ptr, part_rows, row_ok, head, HV, 1, dG_prev)
+        if DELTA:
             dk_write, dstrength, dG_write, dX = _wy_write_backward(
-                _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC), dW_residual, k, G, residual_strength, DT)
+                _load_lower(X_ptr, rows, row_ok, head, HV, BC), dW, k, G, strength, DT)
             dk += dk_write
             dG += dG_write
-            _store_part(parts_ptr, part_rows, row_ok, head, HV, 3, dstrength)
-            _store_rows(dX_parts_ptr, (key_tile * 2 + 1) * L + rows, row_ok, head, HV, r, BC, dX)
-    # dg is dG's reverse cumulative sum within the chunk: dG_last reaches every row from the last real one.
-    dG += tl.where(r == tl.minimum(end - start, BC) - 1, dG_last, 0.0)
+            _store_part(parts_ptr, part_rows, row_ok, head, HV, 2, dstrength)
+            _store_rows(dX_parts_ptr, key_tile * 2 * L + rows, row_ok, head, HV, r, BC, dX)
+            if RESIDUAL:
+                residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
+                dk_write, dstrength, dG_write, dX = _wy_write_backward(
+                    _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC), dW_residual, k, G, residual_strength,
+                    DT)
+                dk += dk_write
+                dG += dG_write
+                _store_part(parts_ptr, part_rows, row_ok, head, HV, 3, dstrength)
+                _store_rows(dX_parts_ptr, (key_tile * 2 + 1) * L + rows, row_ok, head, HV, r, BC, dX)
+        # dg is dG's reverse cumulative sum within the chunk: dG_last reaches every row from the last real one.
+        dG += tl.where(r == tl.minimum(end - start, BC) - 1, dG_last, 0.0)
     _store_part(parts_ptr, part_rows, row_ok, head, HV, 0, dG)
-    _store_rows(dq_ptr, rows, row_ok, head, HV, kcols, DK, dq)
+    if SIDE != 2:
+        _store_rows(dq_ptr, rows, row_ok, head, HV, kcols, DK, dq)
     _store_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK, dk)
 
 
@@ -1661,12 +1689,12 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     parts = torch.empty(key_tiles, L, HV, 5, **f32)
     dX_parts = torch.empty(key_tiles, 2, L, HV, chunk_size, **low) if run.delta else parts
     dk_keys = torch.empty(L, HV, Dk, **key_grad) if run.delta else dk
-    keys_warps, keys_stages, keys_value_tile = grad_keys_launch(run.delta, residual, run.BV_full)
-    _chunk_grad_keys_kernel[(key_tiles, layout.num_chunks, HV)](
-        run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
-        do, dh_next, dU, dh_next_residual, dU_residual, dz, dq, dk_keys, parts, dX_parts, *run.tables, scale,
-        **run.shape, L=L, **{**common, "BK": key_tile, "BV": keys_value_tile}, DELTA=run.delta, num_warps=keys_warps,
-        num_stages=keys_stages)
+    for side, keys_warps, keys_stages, keys_value_tile in grad_keys_launches(run.delta, residual, run.BV_full):
+        _chunk_grad_keys_kernel[(key_tiles, layout.num_chunks, HV)](
+            run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
+            do, dh_next, dU, dh_next_residual, dU_residual, dz, dq, dk_keys, parts, dX_parts, *run.tables, scale,
+            **run.shape, L=L, **{**common, "BK": key_tile, "BV": keys_value_tile}, DELTA=run.delta, SIDE=side,
+            num_warps=keys_warps, num_stages=keys_stages)
     _chunk_grad_values_kernel[(layout.num_chunks, HV)](
         run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dh_next, dU, dU_residual, dz,
         dk_keys, parts, dX_parts, dk, dv, dg, dbeta, dgamma, dgamma_write, *run.tables, clip, **run.shape, L=L,

@@ -47,7 +47,6 @@ def launches(BK, BV_full, delta, residual, fp32):
     state_tile = min(BV_full, 64)
     reverse_tile = min(BV_full, 32 if delta else 64)  # `_ChunkRun.state_tile(reverse=True)` from 128 sequence-heads
     stages, backward_stages = kernels.pipeline_stages(fp32, BK, delta, residual)
-    keys_warps, keys_stages, keys_value_tile = kernels.grad_keys_launch(delta, residual, BV_full)
     long_writes_tile, long_writes_warps = kernels.writes_launch(kernels.LONG_CHUNK_SIZE, BV_full, warps)
     return [
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK, STORE_P=residual and not delta), kernels.GRAM_WARPS,
@@ -97,7 +96,9 @@ def launches(BK, BV_full, delta, residual, fp32):
                                                        WHOLE_DU=delta),
            warps, backward_stages) for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
         (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
-        (kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=keys_value_tile), keys_warps, keys_stages),
+        *[(kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=value_tile, SIDE=side), keys_warps,
+           keys_stages) for side, keys_warps, keys_stages, value_tile in kernels.grad_keys_launches(delta, residual,
+                                                                                                  BV_full)],
         (kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64),
                                                    STATE_PART=residual and not delta),
          kernels.GRAD_VALUES_WARPS, 2),
@@ -235,6 +236,7 @@ def main():
                                  f"{' adds_to_state' if constexprs.get('ADDS_TO_STATE') else ''}"
                                  f"{' gated_read' if constexprs.get('GATED_READ') else ''}"
                                  f"{' pred' if constexprs.get('PRED') else ''}"
+                                 f"{' side ' + str(constexprs['SIDE']) if constexprs.get('SIDE') else ''}"
                                  f"{' chunks of ' + str(constexprs['BC']) if constexprs.get('BC', 64) != 64 else ''}")
                         start = time.time()
                         try:
