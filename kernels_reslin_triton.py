@@ -1361,11 +1361,17 @@ def _store_part(ptr, part_rows, row_ok, head, HV, FIELD: tl.constexpr, x):
 
 
 @triton.jit
+def _load_part(ptr, part_rows, row_ok, head, HV, FIELD: tl.constexpr):
+    """One key tile's part, as `_store_part` left it."""
+    return tl.load(ptr + (part_rows * HV + head) * 5 + FIELD, mask=row_ok, other=0.0)
+
+
+@triton.jit
 def _load_parts(ptr, rows, row_ok, head, HV, L, KEY_TILES: tl.constexpr, FIELD: tl.constexpr, BC: tl.constexpr):
     """A row quantity summed over the key tiles' parts (`_store_part`)."""
     total = tl.zeros([BC], dtype=tl.float32)
     for part in range(KEY_TILES):
-        total += tl.load(ptr + ((part * L + rows) * HV + head) * 5 + FIELD, mask=row_ok, other=0.0)
+        total += _load_part(ptr, part * L + rows, row_ok, head, HV, FIELD)
     return total
 
 
@@ -1479,7 +1485,7 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
         dq = dq_inter + _mm(dqk, k, DT)
         dk = _mm(tl.trans(dqk), q, DT)
     else:  # the queries' side's parts, stored by the launch before
-        dG = tl.load(parts_ptr + (part_rows * HV + head) * 5, mask=row_ok, other=0.0)
+        dG = _load_part(parts_ptr, part_rows, row_ok, head, HV, 0)
         dk = _load_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK).to(tl.float32)
     if SIDE != 1:
         k = k.to(tl.float32)
