@@ -860,6 +860,16 @@ def output_tile(BK, BV_full):
 GRAD_VALUES_WARPS = 4
 
 
+def grad_values_sides(delta, residual):
+    """The SIDEs of `_chunk_grad_values_kernel`'s launches: RDN's two inverses in one program held
+    255 registers and spilled 444 B (sm_90, bf16 D128, 4 warps); R's side then S's each hold one
+    (spills 4 B and 60 B). On the H200, RDN H16 D128 (session 24): the kernel 564 -> 494 us at
+    B8xT2048 and 567 -> 495 at B2xT8192, bf16 error against fp32 unchanged (6.3e-3 at most).
+    R's dk share rounds to bf16 in dk_keys between the launches; an fp32 dk_keys, tried, made
+    the keys' kernel 1,137 -> 1,272 us for no gain in error."""
+    return (1, 2) if delta and residual else (0,)
+
+
 def writes_launch(chunk_size, BV_full, warps):
     """Value tile and warps of `_chunk_residual_writes_kernel`: tiles of 64, but whole value rows
     up to 128 on 8 warps in chunks of LONG_CHUNK_SIZE (RLA's forward over few sequence-heads),
@@ -1536,11 +1546,14 @@ def _chunk_grad_values_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_streng
                               cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, clip, T, NT, L, HV, GROUP, DK, DV,
                               KEY_TILES: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                               DT: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr,
-                              STATE_PART: tl.constexpr, VARLEN: tl.constexpr):
+                              STATE_PART: tl.constexpr, SIDE: tl.constexpr, VARLEN: tl.constexpr):
     """Per chunk and value head, after `_chunk_grad_keys_kernel`: dv, the gates' gradients (the
     key tiles' parts summed), and for the delta rule dk's part through X = (I + A)^-1 (and X_R),
     added to the key tiles' dk_keys. With STATE_PART (RLA, whose S pass leaves dU without it,
-    no kernel before this one reading it) dU's state part e^(G_last - G) K dh' is added here."""
+    no kernel before this one reading it) dU's state part e^(G_last - G) K dh' is added here.
+    SIDE 0 does all of it. RDN, with two inverses to hold, runs it as two launches: SIDE 1, R's
+    side (dX_R, the gradients of b_R, and X_R's parts of dk, added to dk_keys, and of dG, left in
+    dg), then SIDE 2, S's side (dv and the rest), which adds R's share of dG before its cumsum."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     r = tl.arange(0, BC)
@@ -1553,14 +1566,17 @@ def _chunk_grad_values_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_streng
         G_last = tl.sum(tl.where(r == BC - 1, G, 0.0), axis=0)  # padded rows add 0
         to_chunk_end = tl.exp(G_last - G)
     strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
-    dG = _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 0, BC)
+    if SIDE == 1:
+        dG = tl.zeros([BC], dtype=tl.float32)
+    else:
+        dG = _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 0, BC)
     dstrength = tl.zeros([BC], dtype=tl.float32)
     dresidual_strength = tl.zeros([BC], dtype=tl.float32)
-    if DELTA:
+    if DELTA and SIDE != 1:
         dstrength += _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 2, BC)
         X = _load_lower(X_ptr, rows, row_ok, head, HV, BC)
         dX = _load_dX_parts(dX_parts_ptr, rows, row_ok, head, HV, L, 0, KEY_TILES, BC)
-    if RESIDUAL:
+    if RESIDUAL and SIDE != 2:
         residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
         if DELTA:
             dresidual_strength += _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 3, BC)
@@ -1568,53 +1584,71 @@ def _chunk_grad_values_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_streng
             dX_residual = _load_dX_parts(dX_parts_ptr, rows, row_ok, head, HV, L, 1, KEY_TILES, BC)
     for value_start in range(0, DV, BV):
         vcols = value_start + tl.arange(0, BV)
-        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV)
-        if STATE_PART:
-            h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
-            dU += to_chunk_end[:, None] * _mm(k_state, tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0), DT)
-        if DELTA:
-            dV_scaled = _mm(tl.trans(X), dU, DT)  # the gradient of diag(b) V
-            dX += _mm(dU, tl.trans(strength[:, None] * v), DT)
-        else:
-            dV_scaled = dU
-        dv = strength[:, None] * dV_scaled
-        dstrength += tl.sum(dV_scaled * v, axis=1)
-        if RESIDUAL:
-            dv += _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
-            residual = tl.minimum(tl.maximum(_load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV), -clip), clip)
-            dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV)
-            dr_scaled = dU_residual  # the gradient of diag(b_R) r
+        if SIDE != 1:
+            v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+            dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV)
+            if STATE_PART:
+                h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
+                dU += to_chunk_end[:, None] * _mm(k_state, tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0),
+                                                  DT)
             if DELTA:
-                dr_scaled = _mm(tl.trans(X_residual), dU_residual, DT)
-                dX_residual += _mm(dU_residual, tl.trans(residual_strength[:, None] * residual), DT)
-            dresidual_strength += tl.sum(dr_scaled * residual, axis=1)
-        _store_rows(dv_ptr, rows, row_ok, head, HV, vcols, DV, dv)
+                dV_scaled = _mm(tl.trans(X), dU, DT)  # the gradient of diag(b) V
+                dX += _mm(dU, tl.trans(strength[:, None] * v), DT)
+            else:
+                dV_scaled = dU
+            dv = strength[:, None] * dV_scaled
+            dstrength += tl.sum(dV_scaled * v, axis=1)
+        if RESIDUAL:
+            if SIDE != 1:
+                dv += _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
+            if SIDE != 2:
+                residual = tl.minimum(tl.maximum(_load_rows(z_ptr, rows, row_ok, head, HV, vcols, DV), -clip), clip)
+                dU_residual = _load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV)
+                dr_scaled = dU_residual  # the gradient of diag(b_R) r
+                if DELTA:
+                    dr_scaled = _mm(tl.trans(X_residual), dU_residual, DT)
+                    dX_residual += _mm(dU_residual, tl.trans(residual_strength[:, None] * residual), DT)
+                dresidual_strength += tl.sum(dr_scaled * residual, axis=1)
+        if SIDE != 1:
+            _store_rows(dv_ptr, rows, row_ok, head, HV, vcols, DV, dv)
     if DELTA:
         kcols = tl.arange(0, BK)
         k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK).to(tl.float32)
         G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
         decay_strict = tl.exp(tl.where(r[:, None] > r[None, :], G[:, None] - G[None, :], float("-inf")))
         gram = decay_strict * _mm(k, tl.trans(k), DT)
-        dk_inverse, dstrength_inverse, dG_inverse = _wy_inverse_backward(X, dX, k, gram, decay_strict, strength, DT)
-        dk = _load_rows(dk_keys_ptr, rows, row_ok, head, HV, kcols, DK) + dk_inverse
-        dstrength += dstrength_inverse
-        dG += dG_inverse
-        if RESIDUAL:
+        if SIDE != 1:
+            dk_inverse, dstrength_inverse, dG_inverse = _wy_inverse_backward(X, dX, k, gram, decay_strict, strength,
+                                                                             DT)
+            dk = _load_rows(dk_keys_ptr, rows, row_ok, head, HV, kcols, DK) + dk_inverse
+            dstrength += dstrength_inverse
+            dG += dG_inverse
+        else:
+            dk = _load_rows(dk_keys_ptr, rows, row_ok, head, HV, kcols, DK).to(tl.float32)
+        if RESIDUAL and SIDE != 2:
             dk_inverse, dstrength_inverse, dG_inverse = _wy_inverse_backward(X_residual, dX_residual, k, gram,
                                                                              decay_strict, residual_strength, DT)
             dk += dk_inverse
             dresidual_strength += dstrength_inverse
             dG += dG_inverse
-        _store_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK, dk)
-    dg = tl.cumsum(dG, axis=0, reverse=True)
-    if RESIDUAL:
-        dg -= _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 1, BC)  # G_prev_t = G_t - g_t
-        tl.store(dgamma_ptr + rows * HV + head, _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 4, BC),
-                 mask=row_ok)
+        if SIDE == 1:
+            _store_rows(dk_keys_ptr, rows, row_ok, head, HV, kcols, DK, dk)
+        else:
+            _store_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK, dk)
+    if RESIDUAL and SIDE != 2:
         tl.store(dresidual_strength_ptr + rows * HV + head, dresidual_strength, mask=row_ok)
-    tl.store(dg_ptr + rows * HV + head, dg, mask=row_ok)
-    tl.store(dstrength_ptr + rows * HV + head, dstrength, mask=row_ok)
+    if SIDE == 1:  # R's share of dG, for SIDE 2
+        tl.store(dg_ptr + rows * HV + head, dG, mask=row_ok)
+    else:
+        if SIDE == 2:
+            dG += tl.load(dg_ptr + rows * HV + head, mask=row_ok, other=0.0)
+        dg = tl.cumsum(dG, axis=0, reverse=True)
+        if RESIDUAL:
+            dg -= _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 1, BC)  # G_prev_t = G_t - g_t
+            tl.store(dgamma_ptr + rows * HV + head,
+                     _load_parts(parts_ptr, rows, row_ok, head, HV, L, KEY_TILES, 4, BC), mask=row_ok)
+        tl.store(dg_ptr + rows * HV + head, dg, mask=row_ok)
+        tl.store(dstrength_ptr + rows * HV + head, dstrength, mask=row_ok)
 
 
 @_on_inputs_device
@@ -1701,11 +1735,12 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
             do, dh_next, dU, dh_next_residual, dU_residual, dz, dq, dk_keys, parts, dX_parts, *run.tables, scale,
             **run.shape, L=L, **{**common, "BK": key_tile, "BV": keys_value_tile}, DELTA=run.delta, SIDE=side,
             num_warps=keys_warps, num_stages=keys_stages)
-    _chunk_grad_values_kernel[(layout.num_chunks, HV)](
-        run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dh_next, dU, dU_residual, dz,
-        dk_keys, parts, dX_parts, dk, dv, dg, dbeta, dgamma, dgamma_write, *run.tables, clip, **run.shape, L=L,
-        KEY_TILES=key_tiles, **common, DELTA=run.delta, STATE_PART=state_part_after and residual,
-        BV=min(run.BV_full, 64), num_warps=GRAD_VALUES_WARPS, num_stages=2)
+    for side in grad_values_sides(run.delta, residual):
+        _chunk_grad_values_kernel[(layout.num_chunks, HV)](
+            run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dh_next, dU, dU_residual,
+            dz, dk_keys, parts, dX_parts, dk, dv, dg, dbeta, dgamma, dgamma_write, *run.tables, clip, **run.shape,
+            L=L, KEY_TILES=key_tiles, **common, DELTA=run.delta, STATE_PART=state_part_after and residual,
+            SIDE=side, BV=min(run.BV_full, 64), num_warps=GRAD_VALUES_WARPS, num_stages=2)
     group = lambda x: x.view(L, H, HV // H, Dk).sum(2) if grouped else x  # noqa: E731  a key head's value heads
     shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
     grads = (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta))

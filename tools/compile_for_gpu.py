@@ -99,9 +99,9 @@ def launches(BK, BV_full, delta, residual, fp32):
         *[(kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=value_tile, SIDE=side), keys_warps,
            keys_stages) for side, keys_warps, keys_stages, value_tile in kernels.grad_keys_launches(delta, residual,
                                                                                                   BV_full)],
-        (kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64),
-                                                   STATE_PART=residual and not delta),
-         kernels.GRAD_VALUES_WARPS, 2),
+        *[(kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64),
+                                                    STATE_PART=residual and not delta, SIDE=side),
+           kernels.GRAD_VALUES_WARPS, 2) for side in kernels.grad_values_sides(delta, residual)],
     ]
 
 
