@@ -9,7 +9,9 @@ each variant's chunk_forward and, with --backward, its chunk_backward (the recom
 included) and prints the kernels' total and the slowest kernels, in microseconds per call.
 With --check it also compares every variant's outputs and gradients with the first variant's
 (the largest relative RMS difference; inf where one is not finite), so that a faster variant is
-known to compute the same thing on that GPU before it is worth landing.
+known to compute the same thing on that GPU before it is worth landing, and gives each variant's
+error against the first variant run on the same inputs in fp32: a variant that rounds differently
+(an intermediate in bf16, a sum in another order) shows whether it lost precision or only moved.
 
     python benchmarks/kernel_variants.py --variant now=kernels_reslin_triton.py --variant old=scratch/old.py \\
         [--rules gdn rdn] [--shapes 4x4096 8x2048] [--heads 8] [--dim 128] [--backward] [--top 5]
@@ -51,6 +53,10 @@ def chunk_arguments(rule, B, T, H, D):
     return args, torch.randn_like(x["v"])
 
 
+def in_fp32(chunk_args, do):
+    return [t.float() if torch.is_tensor(t) else t for t in chunk_args], do.float()
+
+
 def results(kernels, chunk_args, do, backward):
     """chunk_forward's outputs and, with `backward`, chunk_backward's gradients, in fp32."""
     tensors = list(kernels.chunk_forward(*chunk_args))
@@ -84,7 +90,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=5, help="kernels named per call")
     parser.add_argument("--check", action="store_true",
-                        help="also every variant's outputs (and gradients) against the first variant's")
+                        help="also every variant's outputs (and gradients) against the first variant's, "
+                             "and their error against the first variant's in fp32")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes (the current file without --variant), to check the script")
     args = parser.parse_args(argv)
@@ -107,7 +114,7 @@ def main(argv=None):
         for B, T in args.shapes:
             chunk_args, do = chunk_arguments(rule, B, T, args.heads, args.dim)
             print(f"\n{rule} {B}x{T}", flush=True)
-            reference = None
+            reference = fp32_reference = None
             for name, kernels in variants:
                 try:
                     forward = kernel_times(lambda: kernels.chunk_forward(*chunk_args), args.repeats)
@@ -120,9 +127,12 @@ def main(argv=None):
                         tensors = results(kernels, chunk_args, do, args.backward)
                         if reference is None:
                             reference = (name, tensors)
+                            fp32_reference = results(kernels, *in_fp32(chunk_args, do), args.backward)
                         else:
                             print(f"  {name:{width}s} differs from {reference[0]} by at most "
                                   f"{largest_difference(tensors, reference[1]):.1e}", flush=True)
+                        print(f"  {name:{width}s} error against {reference[0]} in fp32 at most "
+                              f"{largest_difference(tensors, fp32_reference):.1e}", flush=True)
                 except Exception as error:  # a launch that does not fit, say: the other variants still run
                     print(f"  {name:{width}s} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}",
                           flush=True)
