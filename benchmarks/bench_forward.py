@@ -138,14 +138,14 @@ def main():
     what = "forward + backward" if args.backward else "forward"
     print_header(f"reslin_attention {what}, backend {args.backend!r}, H={H} Dk=Dv={D}, median over "
                  f"{args.rounds} interleaved rounds of the median of {args.repeats} calls, after warm-up")
-    print("FLA's time is one figure per baseline and shape, shared by the rules compared with it; its range "
-          "over the rounds beside it (host-bound calls vary)")
+    print("FLA's time is one figure per baseline and shape, shared by the rules compared with it; the range "
+          "over the rounds beside each figure, ours and FLA's (host-bound calls vary)")
     if args.retune_fla:
         print("FLA's kernels tuned afresh every round; FLA's figure is its fastest round")
     if note:
         print(note)
-    print(f"{'rule':5} {'shape':>9} {'ours ms':>9}   {'FLA baseline':22} {'FLA ms':>8} {'FLA range':>15} "
-          f"{'ours/FLA':>9}   goal")
+    print(f"{'rule':5} {'shape':>9} {'ours ms':>9} {'ours range':>15}   {'FLA baseline':22} {'FLA ms':>8} "
+          f"{'FLA range':>15} {'ours/FLA':>9}   goal")
     torch.manual_seed(0)
     with contextlib.nullcontext() if args.backward else torch.no_grad():
         for B, T in args.shapes:
@@ -160,17 +160,17 @@ def main():
                     retune_fla()
                 for name, call in [(rule, ours) for rule, (ours, _) in calls.items()] + list(baselines.items()):
                     times[name].append(median_ms(call, args.repeats))
+            spread = lambda name: f"{min(times[name]):.3f}-{max(times[name]):.3f}"  # noqa: E731
             for rule, (_, fla_call) in calls.items():
                 ours = statistics.median(times[rule])
-                line = f"{rule:5} {f'{B}x{T}':>9} {ours:9.3f}"
+                line = f"{rule:5} {f'{B}x{T}':>9} {ours:9.3f} {spread(rule):>15}"
                 if fla_call is not None:
                     name = fla_call[0]
                     theirs = (min if args.retune_fla else statistics.median)(times[name])
                     ratio = ours / theirs
                     goal = goals[rule]
                     verdict = "none" if goal is None else f"<= {goal:.1f}x {'met' if ratio <= goal else 'NOT met'}"
-                    spread = f"{min(times[name]):.3f}-{max(times[name]):.3f}"
-                    line += f"   {name:22} {theirs:8.3f} {spread:>15} {ratio:8.2f}x   {verdict}"
+                    line += f"   {name:22} {theirs:8.3f} {spread(name):>15} {ratio:8.2f}x   {verdict}"
                 print(line, flush=True)
 
 
