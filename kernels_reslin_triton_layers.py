@@ -25,9 +25,9 @@ import torch
 
 # Relative import for the remote-code loader; a plain one for `import kernels_reslin_triton_layers`.
 try:
-    from .kernels_reslin_triton import _cdiv, _next_power_of_2
+    from .kernels_reslin_triton import _cdiv, _Launcher, _next_power_of_2
 except ImportError:
-    from kernels_reslin_triton import _cdiv, _next_power_of_2
+    from kernels_reslin_triton import _cdiv, _Launcher, _next_power_of_2
 
 TILE_ELEMENTS = 4096  # elements per program in the row-wise kernels
 # Warps per program for every kernel here: with 4, ptxas spilled registers in the backward kernels
@@ -46,6 +46,7 @@ def _on_device(x):
 # RMS norm: y = x / sqrt(mean(x^2) + eps) * weight [* silu(gate)], row by row
 # ---------------------------------------------------------------------------------------------
 
+@_Launcher
 @triton.jit
 def _rms_norm_forward_kernel(x_ptr, weight_ptr, gate_ptr, y_ptr, M, N, eps,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
@@ -62,6 +63,7 @@ def _rms_norm_forward_kernel(x_ptr, weight_ptr, gate_ptr, y_ptr, M, N, eps,
     tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@_Launcher
 @triton.jit
 def _rms_norm_backward_kernel(x_ptr, weight_ptr, gate_ptr, dy_ptr, dx_ptr, dgate_ptr, dweight_ptr,
                               M, N, eps, blocks_per_program,
@@ -157,6 +159,7 @@ def rms_norm(x, weight, eps=1e-6, gate=None):
 # SwiGLU: silu(gate) * up
 # ---------------------------------------------------------------------------------------------
 
+@_Launcher
 @triton.jit
 def _swiglu_forward_kernel(gate_ptr, up_ptr, y_ptr, numel, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -166,6 +169,7 @@ def _swiglu_forward_kernel(gate_ptr, up_ptr, y_ptr, numel, BLOCK: tl.constexpr):
     tl.store(y_ptr + offsets, (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@_Launcher
 @triton.jit
 def _swiglu_backward_kernel(gate_ptr, up_ptr, dy_ptr, dgate_ptr, dup_ptr, numel, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -293,6 +297,7 @@ def _conv_tile_indices(T, D, GROUP, BT: tl.constexpr, BD: tl.constexpr):
     return tl.program_id(2), times, channels, times < T, (lanes < GROUP) & (channels < D)
 
 
+@_Launcher
 @triton.jit
 def _short_conv_forward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, y_ptr, T, D, GROUP, eps,
                                K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
@@ -307,6 +312,7 @@ def _short_conv_forward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, y_pt
     tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=time_ok[:, None] & channel_ok[None, :])
 
 
+@_Launcher
 @triton.jit
 def _short_conv_backward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, dy_ptr, dpre_ptr, dweight_ptr,
                                 T, D, GROUP, eps,
@@ -339,6 +345,7 @@ def _short_conv_backward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, dy_
                  mask=channel_ok)
 
 
+@_Launcher
 @triton.jit
 def _short_conv_input_grad_kernel(dpre_ptr, positions_ptr, weight_ptr, dx_ptr, T, D,
                                   K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_POSITIONS: tl.constexpr):

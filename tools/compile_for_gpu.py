@@ -109,7 +109,7 @@ def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages, head_si
     """Specialised as a launch specialises (16-byte aligned pointers, integers that are multiples
     of 16 marked so, integers equal to 1 made constants), for B2 x T4096, H = HV = 16: the
     specialisation changes the tiles' layouts, and with them the shared memory."""
-    params = list(inspect.signature(fn.fn).parameters)
+    params = list(inspect.signature(fn.kernel.fn).parameters)
     sizes = dict(T=4096, NT=64, L=8192, HV=16, GROUP=1, DK=head_size, DV=head_size)
     constexprs = {**{k: v for k, v in sizes.items() if v == 1 and k in params}, **constexprs}
     signature = {}
@@ -129,8 +129,8 @@ def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages, head_si
 
 
 def compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages):
-    params = list(inspect.signature(fn.fn).parameters)
-    source = ASTSource(fn=fn, signature=signature,
+    params = list(inspect.signature(fn.kernel.fn).parameters)
+    source = ASTSource(fn=fn.kernel, signature=signature,
                        constexprs={(params.index(name),): value for name, value in constexprs.items()},
                        attrs={(params.index(name),): [["tt.divisibility", 16]] for name in aligned
                               if name not in constexprs})
@@ -173,7 +173,7 @@ def layer_launches():
 
 
 def compile_layer_variant(fn, constexprs, absent, pointer_type, num_warps):
-    params = list(inspect.signature(fn.fn).parameters)
+    params = list(inspect.signature(fn.kernel.fn).parameters)
     constexprs = {**constexprs, **{name: None for name in absent if name in params}}
     signature = {name: "constexpr" if name in constexprs else
                  "*i64" if name == "positions_ptr" else
@@ -214,7 +214,7 @@ def main():
                 for residual in (False, True):
                     for fn, constexprs, warps, stages in launches(head_size, head_size, delta, residual,
                                                                   dtype == "fp32"):
-                        params = inspect.signature(fn.fn).parameters
+                        params = inspect.signature(fn.kernel.fn).parameters
                         flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
                         if not delta and fn is kernels._chunk_wy_kernel or \
@@ -230,7 +230,7 @@ def main():
                                 (delta or residual and fn is kernels._chunk_state_kernel):
                             continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
                             # nor adds R's writes to R; only sGLA and RLA (by scan) run chunks of LONG_CHUNK_SIZE
-                        label = (f"{fn.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
+                        label = (f"{fn.kernel.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
                                  f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
                                  f"{' both_states' if constexprs.get('BOTH_STATES') else ''}"
                                  f"{' adds_to_state' if constexprs.get('ADDS_TO_STATE') else ''}"
@@ -253,7 +253,7 @@ def main():
                               f" ({time.time() - start:.0f} s)", flush=True)
         for fn, constexprs, absent, warps in layer_launches():
             flags = " ".join(f"{k}={v}" for k, v in constexprs.items() if isinstance(v, bool) or k == "BLOCK_N")
-            label = f"{fn.fn.__name__:30s} {dtype} {flags}"
+            label = f"{fn.kernel.fn.__name__:30s} {dtype} {flags}"
             try:
                 compiled = compile_layer_variant(fn, constexprs, absent, pointer_type, warps)
             except Exception as error:  # report every variant, then fail

@@ -21,8 +21,6 @@ REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
 
 import torch  # noqa: E402
-from triton.runtime import JITFunction  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import kernels_reslin_triton  # noqa: E402
 from bench_forward import rule_calls  # noqa: E402
@@ -43,7 +41,7 @@ class _CountingLauncher:
 @contextlib.contextmanager
 def kernels_stubbed_out():
     kernels = {name: value for name, value in vars(kernels_reslin_triton).items()
-               if isinstance(value, (JITFunction, InterpretedFunction))}
+               if isinstance(value, kernels_reslin_triton._Launcher)}
     for name in kernels:
         setattr(kernels_reslin_triton, name, _CountingLauncher())
     try:
