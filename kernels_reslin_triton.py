@@ -468,29 +468,31 @@ def _load_lower(ptr, rows, row_ok, head, HV, BC: tl.constexpr):
 @triton.jit
 def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X_ptr, X_residual_ptr,
                      cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, W_ptr, U0_ptr, W_residual_ptr,
-                     T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     T, NT, HV, GROUP, DK, DV, NUM_CHUNKS, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      DT: tl.constexpr, RESIDUAL: tl.constexpr, STORE_W: tl.constexpr, VARLEN: tl.constexpr):
     """The WY terms of a chunk: U0 = X diag(b) V for S and, with STORE_W, W = X diag(b e^G) K for
     S and R (R's U0 needs the residual, which the state kernel forms). Without STORE_W the state
-    passes read X and K in W's place (`_ChunkRun.writes_from_inverse`)."""
-    chunk, head = tl.program_id(0), tl.program_id(1)
-    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
-    rows = start + tl.arange(0, BC)
-    row_ok = rows < end
-    decay = tl.exp(tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0))
-    strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
-    kcols, vcols = tl.arange(0, BK), tl.arange(0, BV)
-    k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-    v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV)
-    X = _load_lower(X_ptr, rows, row_ok, head, HV, BC)
-    _store_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV, _mm(X, strength[:, None] * v, DT))
-    if STORE_W:
-        _store_rows(W_ptr, rows, row_ok, head, HV, kcols, DK, _mm(X, (strength * decay)[:, None] * k, DT))
-        if RESIDUAL:
-            residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
-            X = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
-            _store_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK,
-                        _mm(X, (residual_strength * decay)[:, None] * k, DT))
+    passes read X and K in W's place (`_ChunkRun.writes_from_inverse`). A program takes every
+    num_programs-th (chunk, head) of the NUM_CHUNKS * HV (`wy_programs`)."""
+    for item in range(tl.program_id(0), NUM_CHUNKS * HV, tl.num_programs(0)):
+        chunk, head = item % NUM_CHUNKS, item // NUM_CHUNKS
+        start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+        rows = start + tl.arange(0, BC)
+        row_ok = rows < end
+        decay = tl.exp(tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0))
+        strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
+        kcols, vcols = tl.arange(0, BK), tl.arange(0, BV)
+        k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
+        v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV)
+        X = _load_lower(X_ptr, rows, row_ok, head, HV, BC)
+        _store_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV, _mm(X, strength[:, None] * v, DT))
+        if STORE_W:
+            _store_rows(W_ptr, rows, row_ok, head, HV, kcols, DK, _mm(X, (strength * decay)[:, None] * k, DT))
+            if RESIDUAL:
+                residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
+                X = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
+                _store_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK,
+                            _mm(X, (residual_strength * decay)[:, None] * k, DT))
 
 
 @triton.jit
@@ -930,6 +932,23 @@ def grad_values_sides(delta, residual):
     return (1, 2) if delta and residual else (0,)
 
 
+def wy_programs(items, residual, device):
+    """Programs of `_chunk_wy_kernel`, each looping over (chunk, head) items. The residual delta
+    rule's (two inverses, W and W_R, U0) two a SM, so that an item's loads are in flight while the
+    one before computes: RDN's WY kernel on the H200, H16 D128 (session 25), 286 -> 245 us at
+    B1xT32768, 138 -> 125 at B2xT8192. gdn's lost that way at B2xT8192 (87 -> 94 us; the same at
+    B1xT32768): one program an item for it, as before. At D256 (124 KB of shared memory at sm_90)
+    one program fits a SM: untimed there."""
+    return min(items, 2 * _multiprocessors(device)) if residual else items
+
+
+@functools.lru_cache
+def _multiprocessors(device):
+    """SMs of a CUDA device. In Triton's interpreter any count serves; a small one makes the
+    persistent kernels' programs loop over several items there too, as they do on a GPU."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
 def writes_launch(chunk_size, BV_full, warps):
     """Value tile and warps of `_chunk_residual_writes_kernel`: tiles of 64, but whole value rows
     up to 128 on 8 warps in chunks of LONG_CHUNK_SIZE (RLA's forward over few sequence-heads),
@@ -1005,9 +1024,10 @@ class _ChunkRun:
                 HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta, RESIDUAL=residual, STORE_P=fused, **common,
                 num_warps=GRAM_WARPS)
         if delta:
-            _chunk_wy_kernel[(layout.num_chunks, HV)](
+            _chunk_wy_kernel[(wy_programs(layout.num_chunks * HV, residual, q.device),)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
-                **self.shape, BV=self.BV_full, RESIDUAL=residual, STORE_W=store_w, **common, num_warps=self.warps)
+                **self.shape, NUM_CHUNKS=layout.num_chunks, BV=self.BV_full, RESIDUAL=residual, STORE_W=store_w,
+                **common, num_warps=self.warps, num_stages=min(self.stages, 2))  # the next chunk's loads in flight
         if fused:
             self.S, self.R = self.advance_both(S0, R0, store_z)
             return

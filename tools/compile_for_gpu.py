@@ -53,7 +53,7 @@ def launches(BK, BV_full, delta, residual, fp32):
          3),
         # W for the passes that read it; the forward's from 128 sequence-heads form W h from T^-1
         # (`_ChunkRun.writes_from_inverse`). Below 64 sequence-heads, tiles of 16 (4 stages) and 32.
-        *[(kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full, STORE_W=store_w), warps, 3)
+        *[(kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full, STORE_W=store_w), warps, min(stages, 2))
           for store_w in (True, False)],
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, W_FROM_INVERSE=from_inverse,
                                              BOTH_STATES=False, STORE_Z=False), warps, stages)
