@@ -51,13 +51,15 @@ class _Launcher:
     The key here is finer than Triton's: every integer, bool and constexpr by value, pointers by
     dtype and alignment, floats by type (Triton never specialises on their value), the launch
     options and the device. A key's first launch is Triton's own (compiling if needed). Triton's
-    CPU interpreter (the tests) is never bypassed."""
+    CPU interpreter (the tests) is never bypassed, nor is Triton other than 3.6: how a binary
+    takes its arguments is Triton's internal (3.6 passes every parameter, constexprs included,
+    where earlier versions passed the others alone)."""
 
     MAX_KEYS = 1024  # forgotten all at once past this (shapes are keys): no growth without bound
 
     def __init__(self, kernel):
         self.kernel = kernel
-        compiled = isinstance(kernel, triton.runtime.JITFunction)
+        compiled = isinstance(kernel, triton.runtime.JITFunction) and triton.__version__.startswith("3.6.")
         self.params = kernel.arg_names if compiled else ()
         self.by_value = tuple(param.is_constexpr for param in kernel.params) if compiled else ()
         self.binaries = {} if compiled else None
@@ -72,9 +74,11 @@ class _Launcher:
                *(arg if by_value else _specialisation(arg) for arg, by_value in zip(args, self.by_value)))
         binary = self.binaries.get(key)
         if binary is None:
-            if len(self.binaries) >= self.MAX_KEYS:
-                self.binaries.clear()
-            self.binaries[key] = self.kernel[grid](*args, **kwargs)
+            binary = self.kernel[grid](*args, **kwargs)
+            if isinstance(binary, triton.compiler.CompiledKernel):
+                if len(self.binaries) >= self.MAX_KEYS:
+                    self.binaries.clear()
+                self.binaries[key] = binary
             return
         binary[tuple(grid) + (1,) * (3 - len(grid))](*args, *(kwargs[name] for name in self.params[len(args):]))
 

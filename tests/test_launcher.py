@@ -38,7 +38,7 @@ class _Recorder:
         return launch
 
 
-class _Binary:
+class _Binary(triton.compiler.CompiledKernel):
     def __init__(self, recorder):
         self.recorder = recorder
 
@@ -49,6 +49,7 @@ class _Binary:
 @pytest.fixture
 def launcher(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
     launcher = kernels_reslin_triton._Launcher(triton.runtime.JITFunction(_kernel))
     assert launcher.binaries == {} and launcher.by_value == (False, False, False, True, True)
     launcher.kernel = _Recorder()
@@ -99,6 +100,25 @@ def test_cpu_tensors_and_the_interpreter_always_take_tritons_path(launcher):
     for _ in range(2):
         launcher[(1,)](on_cuda, 64, 0.5, BLOCK=16, FACTOR=2.0)
     assert _paths(launcher) == ["triton"] * 4
+
+
+class _ReturnsNothing(_Recorder):
+    def __getitem__(self, grid):
+        launch = super().__getitem__(grid)
+        return lambda *args, **kwargs: launch(*args, **kwargs) and None
+
+
+def test_only_tritons_compiled_binaries_are_kept(launcher):
+    launcher.kernel = _ReturnsNothing()
+    x = torch.zeros(64).as_subclass(_OnCuda)
+    for _ in range(2):
+        launcher[(1,)](x, 64, 0.5, BLOCK=16, FACTOR=2.0)
+    assert launcher.binaries == {} and _paths(launcher) == ["triton", "triton"]
+
+
+def test_other_triton_versions_take_tritons_path(monkeypatch):
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    assert kernels_reslin_triton._Launcher(triton.runtime.JITFunction(_kernel)).binaries is None
 
 
 def test_the_keys_are_forgotten_past_their_limit(launcher, monkeypatch):
