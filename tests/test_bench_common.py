@@ -50,3 +50,27 @@ def test_retune_fla_clears_every_fla_autotuner_and_its_disk_cache(monkeypatch):
     assert plain.cache == {} and under_heuristics.cache == {}
     assert not plain.cache_results and not under_heuristics.cache_results
     assert elsewhere.cache == {("key",): elsewhere.configs[0]} and elsewhere.cache_results
+
+
+def test_bench_forward_judges_the_median_round_and_gives_the_fastest_round_beside(monkeypatch, capsys):
+    """Against FLA's median round the goal's verdict; against its fastest round the last column
+    (the figures the README quotes). With --retune-fla the fastest round is the verdict's."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_forward
+
+    ours_call, fla_call = object(), object()
+    rounds = {ours_call: iter([1.0, 0.8, 0.9]), fla_call: iter([0.5, 1.0, 0.8])}  # medians 0.9 and 0.8
+    monkeypatch.setattr(bench_forward, "import_fla", lambda: types.SimpleNamespace())
+    monkeypatch.setattr(bench_forward, "rule_calls", lambda *args: (ours_call, ("chunk_baseline", fla_call)))
+    monkeypatch.setattr(bench_forward, "median_ms", lambda call, repeats: next(rounds[call]))
+    monkeypatch.setattr(sys, "argv", ["bench_forward.py", "--rules", "gdn", "--shapes", "1x64"])
+    bench_forward.main()
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row[:3] == ["gdn", "1x64", "0.900"]
+    assert row[-6:] == ["1.12x", "<=", "1.0x", "NOT", "met", "1.80x"]  # 0.9 / 0.8, 0.9 / 0.5
+
+    rounds = {ours_call: iter([1.0, 0.8, 0.9]), fla_call: iter([0.5, 1.0, 0.8])}
+    monkeypatch.setattr(bench_forward, "retune_fla", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["bench_forward.py", "--rules", "gdn", "--shapes", "1x64", "--retune-fla"])
+    bench_forward.main()
+    assert capsys.readouterr().out.splitlines()[-1].split()[-5:] == ["1.80x", "<=", "1.0x", "NOT", "met"]
