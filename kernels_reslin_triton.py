@@ -470,20 +470,36 @@ def _load_lower(ptr, rows, row_ok, head, HV, BC: tl.constexpr):
 
 @_Launcher
 @triton.jit
+def _chunk_decay_kernel(g_ptr, G_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, HV,
+                        BC: tl.constexpr, BH: tl.constexpr, VARLEN: tl.constexpr):
+    """A chunk's cumulative log decay G (fp32) for every head, which the additive rule's
+    sequential passes load (`_chunk_decay`; the delta rule's WY kernel stores its own)."""
+    start, end = _chunk_bounds(tl.program_id(0), cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    rows, heads = start + tl.arange(0, BC), tl.arange(0, BH)
+    offsets = rows[:, None] * HV + heads[None, :]
+    ok = (rows < end)[:, None] & (heads < HV)[None, :]
+    tl.store(G_ptr + offsets, tl.cumsum(tl.load(g_ptr + offsets, mask=ok, other=0.0).to(tl.float32), axis=0), mask=ok)
+
+
+@_Launcher
+@triton.jit
 def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X_ptr, X_residual_ptr,
-                     cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, W_ptr, U0_ptr, W_residual_ptr,
+                     cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, W_ptr, U0_ptr, W_residual_ptr, G_ptr,
                      T, NT, HV, GROUP, DK, DV, NUM_CHUNKS, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      DT: tl.constexpr, RESIDUAL: tl.constexpr, STORE_W: tl.constexpr, VARLEN: tl.constexpr):
     """The WY terms of a chunk: U0 = X diag(b) V for S and, with STORE_W, W = X diag(b e^G) K for
     S and R (R's U0 needs the residual, which the state kernel forms). Without STORE_W the state
     passes read X and K in W's place (`_ChunkRun.writes_from_inverse`). A program takes every
-    num_programs-th (chunk, head) of the NUM_CHUNKS * HV (`wy_programs`)."""
+    num_programs-th (chunk, head) of the NUM_CHUNKS * HV (`wy_programs`). The cumulative log
+    decay G is stored too (fp32), for the state passes: no scan on their loops' chain."""
     for item in range(tl.program_id(0), NUM_CHUNKS * HV, tl.num_programs(0)):
         chunk, head = item % NUM_CHUNKS, item // NUM_CHUNKS
         start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
         rows = start + tl.arange(0, BC)
         row_ok = rows < end
-        decay = tl.exp(tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0))
+        G = tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
+        tl.store(G_ptr + rows * HV + head, G, mask=row_ok)
+        decay = tl.exp(G)
         strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
         kcols, vcols = tl.arange(0, BK), tl.arange(0, BV)
         k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
@@ -553,12 +569,32 @@ def _state_tile(seq_head, kcols, vcols, DK, DV):
     return offsets, ok
 
 
+@triton.jit
+def _chunk_decay(g_ptr, G_ptr, start, rows, row_ok, end, head, HV, BC: tl.constexpr, SCAN: tl.constexpr):
+    """A sequential pass's chunk decays: G, G at the chunk's last real row and (with SCAN) G_prev =
+    G - g. Without SCAN they are loads of the G that the WY kernel (delta rule) or the decay
+    kernel (additive rule) stored, so that no scan sits on the loop's chain (rows past the
+    sequence load 0, where every write is 0). The passes that read G_prev (pred) load g anyway
+    and scan it: loading G there as well was slower (H200, H16 D128, session 27: RLA's fused
+    pass 340 -> 393 us at B2xT8192, RDN's S reverse pass +50 us at B8xT2048)."""
+    if SCAN:
+        g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+        G = tl.cumsum(g, axis=0)
+        G_last = tl.sum(g, axis=0)  # padded rows add 0: the last real token's cumulative decay
+        G_prev = G - g
+    else:
+        G = _token_scalars(G_ptr, rows, row_ok, head, HV)
+        G_last = tl.load(G_ptr + (tl.minimum(start + BC, end) - 1) * HV + head)
+        G_prev = G  # not read: only the passes with SCAN read G_prev
+    return G, G_last, G_prev
+
+
 @_Launcher
 @triton.jit
-def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S_ptr, residual_strength_ptr,
-                        P_ptr, z_ptr, U_residual_ptr, h_residual_ptr, R_ptr, cu_seqlens_ptr, chunk_offsets_ptr, clip,
-                        T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        DT: tl.constexpr, DELTA: tl.constexpr, W_FROM_INVERSE: tl.constexpr,
+def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S_ptr,
+                        residual_strength_ptr, P_ptr, z_ptr, U_residual_ptr, h_residual_ptr, R_ptr, cu_seqlens_ptr,
+                        chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
+                        BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, W_FROM_INVERSE: tl.constexpr,
                         BOTH_STATES: tl.constexpr, STORE_Z: tl.constexpr, VARLEN: tl.constexpr):
     """Chunk after chunk of one (sequence, value head, value tile) of one state: stores the
     chunk-start states h and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed
@@ -586,9 +622,7 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
             tl.store(h_residual_ptr + chunk_tile, R.to(DT), mask=tile_ok)
         rows = start + r
         row_ok = rows < eos
-        g = _token_scalars(g_ptr, rows, row_ok, head, HV)
-        G = tl.cumsum(g, axis=0)
-        G_last = tl.sum(g, axis=0)  # padded rows add 0: the last real token's cumulative decay
+        G, G_last, G_prev = _chunk_decay(g_ptr, G_ptr, start, rows, row_ok, eos, head, HV, BC, BOTH_STATES)
         if BOTH_STATES:  # K for pred; its transpose for the advance without a second load
             k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
             k_t = tl.trans(k)
@@ -607,7 +641,7 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
             v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
             U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
         if BOTH_STATES:
-            residual = _clipped_residual(k, v, S, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), G - g, clip,
+            residual = _clipped_residual(k, v, S, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), G_prev, clip,
                                          z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
             U_residual = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
             _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, U_residual)
@@ -996,6 +1030,7 @@ class _ChunkRun:
         if not residual:
             self.gamma_write = beta
         self.tables = (layout.cu_seqlens, layout.chunk_seq, layout.chunk_offsets)
+        self.G = None  # the cumulative log decays: `cumulative_decays`
         self.shape = dict(T=layout.T, NT=layout.NT, HV=HV, GROUP=HV // H, DK=Dk, DV=Dv)
         self.BK, self.BV_full = max(16, _next_power_of_2(Dk)), max(16, _next_power_of_2(Dv))
         self.DT = TRITON_DTYPES[q.dtype]
@@ -1011,6 +1046,7 @@ class _ChunkRun:
             fresh_inverse = torch.zeros if keep_inverse and self.keeps_inverse else torch.empty
             self.X = fresh_inverse(L, HV, chunk_size, device=q.device, dtype=q.dtype) if inverse is None else inverse
             U0, self.U = empty(L, HV, Dv), empty(L, HV, Dv)
+            self.G = torch.empty(L, HV, device=q.device, dtype=torch.float32)  # the WY kernel's
             if residual:
                 self.X_residual = empty(L, HV, chunk_size)
             store_w = not self.writes_from_inverse()
@@ -1030,7 +1066,7 @@ class _ChunkRun:
         if delta:
             _chunk_wy_kernel[(wy_programs(layout.num_chunks * HV, residual, q.device),)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
-                **self.shape, NUM_CHUNKS=layout.num_chunks, BV=self.BV_full, RESIDUAL=residual, STORE_W=store_w,
+                self.G, **self.shape, NUM_CHUNKS=layout.num_chunks, BV=self.BV_full, RESIDUAL=residual, STORE_W=store_w,
                 **common, num_warps=self.warps, num_stages=min(self.stages, 2))  # the next chunk's loads in flight
         if fused:
             self.S, self.R = self.advance_both(S0, R0, store_z)
@@ -1050,6 +1086,19 @@ class _ChunkRun:
         writes = self.residual_writes(store_z, adds_to_state=False)
         W_residual = self.X_residual if from_inverse else self.W_residual
         self.R = self.advance(R0, writes, self.gamma_write, W_residual, writes, self.U_residual, self.h_residual)
+
+    def cumulative_decays(self, scan):
+        """The pointer a sequential pass reads G from (`_chunk_decay`): the delta rule's WY kernel
+        stores G; for the additive rule `_chunk_decay_kernel` forms it at the first pass that loads
+        it (its scans and RLA's fused pass never do). A pass that scans g itself gets g."""
+        if scan:
+            return self.g
+        if self.G is None:
+            layout, HV = self.layout, self.shape["HV"]
+            self.G = torch.empty_like(self.g, dtype=torch.float32)
+            _chunk_decay_kernel[(layout.num_chunks,)](self.g, self.G, *self.tables, layout.T, layout.NT, HV,
+                                                      BC=self.chunk_size, BH=_next_power_of_2(HV), VARLEN=layout.varlen)
+        return self.G
 
     def residual_writes(self, store_z, adds_to_state):
         """`_chunk_residual_writes_kernel`: R's writes (and z) from S's chunk-start states h, every
@@ -1108,8 +1157,8 @@ class _ChunkRun:
         R advanced with S in the same pass (h_R, R's writes and, with store_z, z stored)."""
         both = residual_states is not None
         _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
-            self.k, v, self.g, strength, W, U0, U, h, states, self.gamma_write, self.P, self.z, self.U_residual,
-            self.h_residual, residual_states if both else states, cu_seqlens, chunk_offsets, self.clip, **self.shape,
+            self.k, v, self.g, self.cumulative_decays(scan=both), strength, W, U0, U, h, states, self.gamma_write,
+            self.P, self.z, self.U_residual, self.h_residual, residual_states if both else states, cu_seqlens, chunk_offsets, self.clip, **self.shape,
             BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
             W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both,
             STORE_Z=store_z, VARLEN=varlen, num_warps=self.warps, num_stages=self.state_stages())
@@ -1343,8 +1392,8 @@ def _chunk_local_grad_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, do_ptr, dh_next_ptr
 
 @_Launcher
 @triton.jit
-def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, W_ptr, do_ptr, dz_ptr, dS_ptr, dh_next_ptr, dU_ptr,
-                                 cu_seqlens_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV,
+def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, G_ptr, gamma_ptr, W_ptr, do_ptr, dz_ptr, dS_ptr, dh_next_ptr,
+                                 dU_ptr, cu_seqlens_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV,
                                  BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                                  DELTA: tl.constexpr, GATED_READ: tl.constexpr, PRED: tl.constexpr,
                                  WHOLE_DU: tl.constexpr, VARLEN: tl.constexpr):
@@ -1370,9 +1419,7 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, W_ptr, do_ptr, 
                  dh.to(dh_next_ptr.dtype.element_ty), mask=tile_ok)
         rows = bos + index * BC + r
         row_ok = rows < eos
-        g = _token_scalars(g_ptr, rows, row_ok, head, HV)
-        G = tl.cumsum(g, axis=0)
-        G_last = tl.sum(g, axis=0)
+        G, G_last, G_prev = _chunk_decay(g_ptr, G_ptr, bos + index * BC, rows, row_ok, eos, head, HV, BC, PRED)
         do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
         if GATED_READ:
             do = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
@@ -1391,7 +1438,7 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, W_ptr, do_ptr, 
                 k_t = tl.trans(k)
             else:
                 k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-            dh -= _mm(k_t, tl.exp(G - g)[:, None] * dz, DT)
+            dh -= _mm(k_t, tl.exp(G_prev)[:, None] * dz, DT)
         if DELTA:
             dh -= _mm(_load_columns(W_ptr, rows, row_ok, head, HV, kcols, DK), dU, DT)
     tl.store(dS_ptr + state_offsets, dh, mask=tile_ok)
@@ -1790,8 +1837,8 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
 
     def reverse_pass(dstates, dh_next, dU, W, gated_read, pred):
         _chunk_state_backward_kernel[(_cdiv(Dv, reverse_tile), layout.num_sequences * HV)](
-            run.q, run.k, run.g, read_gate, W, do, dz, dstates, dh_next, dU, layout.cu_seqlens,
-            layout.chunk_offsets, scale, **run.shape, BV=reverse_tile, BC=chunk_size, BK=run.BK, DT=run.DT,
+            run.q, run.k, run.g, run.cumulative_decays(scan=pred), read_gate, W, do, dz, dstates, dh_next, dU,
+            layout.cu_seqlens, layout.chunk_offsets, scale, **run.shape, BV=reverse_tile, BC=chunk_size, BK=run.BK, DT=run.DT,
             DELTA=run.delta, GATED_READ=gated_read, PRED=pred, WHOLE_DU=not state_part_after, VARLEN=layout.varlen,
             num_warps=run.warps, num_stages=run.backward_stages)
         if state_part_after and not pred:

@@ -35,7 +35,7 @@ DTYPES = {"bf16": (tl.bfloat16, "*bf16"), "fp16": (tl.float16, "*fp16"), "fp32":
 INDEX_POINTERS = ("cu_seqlens_ptr", "chunk_seq_ptr", "chunk_offsets_ptr")
 # Pointers to the states, the gates and the fp32 gradient buffers; the others hold inputs or
 # buffers in the input dtype (dq, dk and dv too: GROUP is 1 here).
-FP32_POINTERS = ("S_ptr", "R_ptr", "state_ptr", "S0_ptr", "ends_ptr", "starts_ptr", "segment_decay_ptr", "chunk_decay_ptr",
+FP32_POINTERS = ("S_ptr", "R_ptr", "G_ptr", "state_ptr", "S0_ptr", "ends_ptr", "starts_ptr", "segment_decay_ptr", "chunk_decay_ptr",
                  "g_ptr", "strength_ptr", "residual_strength_ptr", "gamma_ptr",
                  "dS_ptr", "dR_ptr", "residual_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
                  "dresidual_strength_ptr", "parts_ptr")
@@ -70,6 +70,8 @@ def launches(BK, BV_full, delta, residual, fp32):
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), W_FROM_INVERSE=False,
                                              BOTH_STATES=True, STORE_Z=store_z),
            warps, stages) for store_z in (False, True)],
+        # The cumulative log decay that the additive rule's sequential passes load.
+        (kernels._chunk_decay_kernel, dict(BC=64, BH=16), 4, 1),
         # The additive rule's passes below 32 sequence-heads: every chunk's writes, then the scan.
         (kernels._chunk_local_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_scan_kernel, dict(BC=64, CHUNKS=kernels.SCAN_CHUNKS, BLOCK=kernels.SCAN_BLOCK),
@@ -218,6 +220,7 @@ def main():
                         flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
                         if not delta and fn is kernels._chunk_wy_kernel or \
+                                delta and fn is kernels._chunk_decay_kernel or \
                                 not (delta or residual) and fn is kernels._chunk_gram_kernel or \
                                 delta and fn in (kernels._chunk_segment_starts_kernel, kernels._chunk_state_join_kernel,
                                                  kernels._chunk_local_state_kernel,
