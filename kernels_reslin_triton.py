@@ -1158,9 +1158,9 @@ class _ChunkRun:
         both = residual_states is not None
         _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
             self.k, v, self.g, self.cumulative_decays(scan=both), strength, W, U0, U, h, states, self.gamma_write,
-            self.P, self.z, self.U_residual, self.h_residual, residual_states if both else states, cu_seqlens, chunk_offsets, self.clip, **self.shape,
-            BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
-            W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both,
+            self.P, self.z, self.U_residual, self.h_residual, residual_states if both else states, cu_seqlens,
+            chunk_offsets, self.clip, **self.shape, BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT,
+            DELTA=self.delta, W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both,
             STORE_Z=store_z, VARLEN=varlen, num_warps=self.warps, num_stages=self.state_stages())
 
     def scans_states(self):
@@ -1838,9 +1838,9 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     def reverse_pass(dstates, dh_next, dU, W, gated_read, pred):
         _chunk_state_backward_kernel[(_cdiv(Dv, reverse_tile), layout.num_sequences * HV)](
             run.q, run.k, run.g, run.cumulative_decays(scan=pred), read_gate, W, do, dz, dstates, dh_next, dU,
-            layout.cu_seqlens, layout.chunk_offsets, scale, **run.shape, BV=reverse_tile, BC=chunk_size, BK=run.BK, DT=run.DT,
-            DELTA=run.delta, GATED_READ=gated_read, PRED=pred, WHOLE_DU=not state_part_after, VARLEN=layout.varlen,
-            num_warps=run.warps, num_stages=run.backward_stages)
+            layout.cu_seqlens, layout.chunk_offsets, scale, **run.shape, BV=reverse_tile, BC=chunk_size, BK=run.BK,
+            DT=run.DT, DELTA=run.delta, GATED_READ=gated_read, PRED=pred, WHOLE_DU=not state_part_after,
+            VARLEN=layout.varlen, num_warps=run.warps, num_stages=run.backward_stages)
         if state_part_after and not pred:
             local_grad()
 
