@@ -591,29 +591,31 @@ def _chunk_decay(g_ptr, G_ptr, start, rows, row_ok, end, head, HV, BC: tl.conste
 
 @_Launcher
 @triton.jit
-def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S_ptr,
-                        residual_strength_ptr, P_ptr, z_ptr, U_residual_ptr, h_residual_ptr, R_ptr, cu_seqlens_ptr,
-                        chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr,
-                        BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, W_FROM_INVERSE: tl.constexpr,
-                        BOTH_STATES: tl.constexpr, STORE_Z: tl.constexpr, VARLEN: tl.constexpr):
+def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S0_ptr, S_ptr,
+                        residual_strength_ptr, P_ptr, z_ptr, U_residual_ptr, h_residual_ptr, R0_ptr, R_ptr,
+                        cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
+                        W_FROM_INVERSE: tl.constexpr, BOTH_STATES: tl.constexpr, STORE_Z: tl.constexpr,
+                        VARLEN: tl.constexpr):
     """Chunk after chunk of one (sequence, value head, value tile) of one state: stores the
     chunk-start states h and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed
-    where read), then S = e^(G_last) h + (e^(G_last - G) K)^T U. S_ptr holds the initial state
-    on entry, the final one on exit. The residual rules run it twice: for S, then for R with
-    its own writes (`_chunk_residual_writes_kernel`) in place of V, or of U0 and W. Or, for RLA
-    (BOTH_STATES, additive rule only), S and R together: R's writes made from S's chunk-start
-    state as that kernel makes them, kept in registers; R_ptr as S_ptr. Every step is separable
-    by value column, so a program owns the same value tile of S and R. With W_FROM_INVERSE W_ptr
-    holds T^-1, and W h = T^-1 diag(b e^G) (K h) is formed from it and the chunk's keys."""
+    where read), then S = e^(G_last) h + (e^(G_last - G) K)^T U, from the initial state at S0_ptr
+    to the final one at S_ptr (the same tensor for both advances it in place). The residual rules
+    run it twice: for S, then for R with its own writes (`_chunk_residual_writes_kernel`) in place
+    of V, or of U0 and W. Or, for RLA (BOTH_STATES, additive rule only), S and R together: R's
+    writes made from S's chunk-start state as that kernel makes them, kept in registers; R0_ptr
+    and R_ptr as S0_ptr and S_ptr. Every step is separable by value column, so a program owns the
+    same value tile of S and R. With W_FROM_INVERSE W_ptr holds T^-1, and W h = T^-1 diag(b e^G)
+    (K h) is formed from it and the chunk's keys."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
     state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
     tile = kcols[:, None] * DV + vcols[None, :]
-    S = tl.load(S_ptr + state_offsets, mask=tile_ok, other=0.0)
+    S = tl.load(S0_ptr + state_offsets, mask=tile_ok, other=0.0)
     if BOTH_STATES:
-        R = tl.load(R_ptr + state_offsets, mask=tile_ok, other=0.0)
+        R = tl.load(R0_ptr + state_offsets, mask=tile_ok, other=0.0)
     r = tl.arange(0, BC)
     for start in range(bos, eos, BC):
         chunk_tile = (chunk * HV + head) * DK * DV + tile
@@ -679,8 +681,8 @@ def _chunk_local_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, h_ptr, chunk_de
 
 @_Launcher
 @triton.jit
-def _chunk_state_scan_kernel(chunk_decay_ptr, h_ptr, S_ptr, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, HV, DK, DV,
-                             BC: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
+def _chunk_state_scan_kernel(chunk_decay_ptr, h_ptr, S0_ptr, S_ptr, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, HV,
+                             DK, DV, BC: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
                              VARLEN: tl.constexpr):
     """The chunk-start states of one (sequence, value head), BLOCK of the state's elements a
     program: h holds what each chunk adds on entry (`_chunk_local_state_kernel`, each chunk's log
@@ -688,14 +690,14 @@ def _chunk_state_scan_kernel(chunk_decay_ptr, h_ptr, S_ptr, cu_seqlens_ptr, chun
     before them, the chunked read one level up: with L_i the log decay from S to chunk i's end,
     chunk i ends at e^(L_i) S + sum_{j <= i} e^(L_i - L_j) added_j (never e^(-L_j): no overflow,
     no division by a decay). No product with the whole state in the loop, and CHUNKS chunks'
-    loads in flight at once. S_ptr holds the initial state on entry, the final one on exit."""
+    loads in flight at once. From the initial state at S0_ptr to the final one at S_ptr."""
     block, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, first_chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
     elements = block * BLOCK + tl.arange(0, BLOCK)
     element_ok = elements < DK * DV
     state_offsets = seq_head.to(tl.int64) * DK * DV + elements
-    S = tl.load(S_ptr + state_offsets, mask=element_ok, other=0.0)
+    S = tl.load(S0_ptr + state_offsets, mask=element_ok, other=0.0)
     steps = tl.arange(0, CHUNKS)
     num_chunks = tl.cdiv(eos - bos, BC)
     for first in range(0, num_chunks, CHUNKS):
@@ -912,22 +914,23 @@ class _ChunkLayout:
             self.cu_seqlens = self.chunk_offsets = self.chunk_seq = torch.empty(1, device=device, dtype=torch.int64)
 
 
-def pipeline_stages(fp32, BK, delta, residual):
+def pipeline_stages(fp32, BK):
     """Software-pipelining depth (num_stages) of the sequential state kernel and the output
     kernel, and of the reverse state kernel, within an H200's 227 KB of shared memory (measured
-    with tools/compile_for_gpu.py, bf16, tiles as launched: the reverse kernel needs 115 KB at
-    D = 128 with 2 stages, 189 KB with 3 for S's pass of the residual rules, 230 KB at D = 256
+    with tools/compile_for_gpu.py, bf16, tiles as launched: the reverse kernel needs 119 KB at
+    D = 128 with 2 stages, 185 KB with 3 for S's pass of the residual delta rule, 230 KB at D = 256
     with 2, too close). Timed on the H200 (kernel_variants, H8 D128): the forward with 2 stages
     instead of 3 was slower at B4xT4096 (gdn's state kernel 92 -> 125 us); the reverse kernel with
-    3 stages gained for gdn only (186 -> 152 us), sGLA at B8xT2048 lost (140 -> 192 us), rdn's
-    did not fit. Session 14, after the additive rule's reverse passes dropped dU: 3 reverse stages
-    for sGLA (B2xT8192 H16 212 -> 161 us, B1xT32768 766 -> 639; B8xT2048 116 -> 121) and RLA
-    (its passes 164 KB at 3 stages). Pipelined fp32 tiles take twice the memory of bf16 ones."""
+    3 stages gained for gdn (186 -> 152 us). Session 14, after the additive rule's reverse passes
+    dropped dU: 3 reverse stages for sGLA (B2xT8192 H16 212 -> 161 us, B1xT32768 766 -> 639;
+    B8xT2048 116 -> 121) and RLA (its passes 164 KB at 3 stages). Session 28, RDN's two reverse
+    passes on 3 stages (H16): 684 -> 600 us at B8xT2048, 686 -> 574 at B2xT8192. Pipelined fp32
+    tiles take twice the memory of bf16 ones."""
     if fp32:
         return 1, 1
     if BK > 128:  # the state kernel's K^T, W and S tiles need 263 KB at 3 stages
         return 2, 1
-    return 3, (2 if residual and delta else 3)
+    return 3, 3
 
 
 def grad_keys_launches(delta, residual, BV_full):
@@ -997,6 +1000,13 @@ def writes_launch(chunk_size, BV_full, warps):
     return min(BV_full, 64), warps
 
 
+def _fresh_state(like):
+    """An unwritten fp32 state shaped as `like`, for a pass that reads its initial state from
+    `like` and writes its final one here: no copy of the initial state first (H200, H16 D128,
+    B8xT2048: ~5 us of copy a state and call)."""
+    return torch.empty_like(like, memory_format=torch.contiguous_format)
+
+
 class _ChunkRun:
     """The inputs of one chunked call laid out as packed tokens, and everything the forward
     computes before its outputs: T^-1, the WY terms, the chunk-start states h and the writes U
@@ -1035,7 +1045,7 @@ class _ChunkRun:
         self.BK, self.BV_full = max(16, _next_power_of_2(Dk)), max(16, _next_power_of_2(Dv))
         self.DT = TRITON_DTYPES[q.dtype]
         self.warps = 4 if self.BK <= 128 else 8
-        self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK, delta, residual)
+        self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK)
         common = dict(BC=chunk_size, BK=self.BK, DT=self.DT, VARLEN=layout.varlen)
         self.keeps_inverse = delta and not residual
         if inverse is not None and not self.keeps_inverse:
@@ -1131,9 +1141,10 @@ class _ChunkRun:
     def advance_both(self, S0, R0, store_z):
         """RLA's S and R passes in one from S0 and R0. Returns the final S and R."""
         layout = self.layout
-        S, R = (x.clone(memory_format=torch.contiguous_format) for x in (S0, R0))  # advanced in place
-        self.state_pass(S, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences, layout.varlen, self.v,
-                        self.beta, self.W, self.v, self.U, self.h, residual_states=R, store_z=store_z)
+        S, R = (_fresh_state(x) for x in (S0, R0))
+        self.state_pass(S0.contiguous(), S, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences,
+                        layout.varlen, self.v, self.beta, self.W, self.v, self.U, self.h,
+                        residual_states=(R0.contiguous(), R), store_z=store_z)
         return S, R
 
     def advance(self, initial, v, strength, W, U0, U, h):
@@ -1146,22 +1157,25 @@ class _ChunkRun:
         segments = self.state_segments()
         if segments > 1:
             return self.advance_in_segments(initial, segments, v, strength, W, U0, U, h)
-        final = initial.clone(memory_format=torch.contiguous_format)  # the kernel advances it in place
-        self.state_pass(final, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences, layout.varlen,
-                        v, strength, W, U0, U, h)
+        final = _fresh_state(initial)
+        self.state_pass(initial.contiguous(), final, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences,
+                        layout.varlen, v, strength, W, U0, U, h)
         return final
 
-    def state_pass(self, states, cu_seqlens, chunk_offsets, sequences, varlen, v, strength, W, U0, U, h,
+    def state_pass(self, initial, final, cu_seqlens, chunk_offsets, sequences, varlen, v, strength, W, U0, U, h,
                    residual_states=None, store_z=False):
-        """`_chunk_state_kernel` over `sequences` rows of cu_seqlens; with `residual_states`, RLA's
-        R advanced with S in the same pass (h_R, R's writes and, with store_z, z stored)."""
+        """`_chunk_state_kernel` over `sequences` rows of cu_seqlens, from the states `initial` into
+        `final` (one tensor for both advances it in place); with `residual_states` (R's initial and
+        final states), RLA's R advanced with S in the same pass (h_R, R's writes and, with store_z,
+        z stored)."""
         both = residual_states is not None
         _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
-            self.k, v, self.g, self.cumulative_decays(scan=both), strength, W, U0, U, h, states, self.gamma_write,
-            self.P, self.z, self.U_residual, self.h_residual, residual_states if both else states, cu_seqlens,
-            chunk_offsets, self.clip, **self.shape, BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT,
-            DELTA=self.delta, W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both,
-            STORE_Z=store_z, VARLEN=varlen, num_warps=self.warps, num_stages=self.state_stages())
+            self.k, v, self.g, self.cumulative_decays(scan=both), strength, W, U0, U, h, initial, final,
+            self.gamma_write, self.P, self.z, self.U_residual, self.h_residual,
+            *(residual_states if both else (initial, final)), cu_seqlens, chunk_offsets, self.clip, **self.shape,
+            BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
+            W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both, STORE_Z=store_z, VARLEN=varlen,
+            num_warps=self.warps, num_stages=self.state_stages())
 
     def scans_states(self):
         """Whether the additive rule's state passes run as every chunk's own writes at once, then a
@@ -1190,11 +1204,11 @@ class _ChunkRun:
         """An additive state's pass from `initial` by scan (`_chunk_state_scan_kernel`): h holds
         what every chunk adds on entry, the chunk-start states on exit. Returns the final state."""
         layout, HV, Dk, Dv = self.layout, self.shape["HV"], self.shape["DK"], self.shape["DV"]
-        final = initial.clone(memory_format=torch.contiguous_format)  # the scan advances it in place
+        final = _fresh_state(initial)
         _chunk_state_scan_kernel[(_cdiv(Dk * Dv, SCAN_BLOCK), layout.num_sequences * HV)](
-            chunk_decay, h, final, layout.cu_seqlens, layout.chunk_offsets, layout.T, layout.NT, HV, Dk, Dv,
-            BC=self.chunk_size, CHUNKS=SCAN_CHUNKS, BLOCK=SCAN_BLOCK, DT=self.DT, VARLEN=layout.varlen,
-            num_warps=SCAN_WARPS)
+            chunk_decay, h, initial.contiguous(), final, layout.cu_seqlens, layout.chunk_offsets, layout.T,
+            layout.NT, HV, Dk, Dv, BC=self.chunk_size, CHUNKS=SCAN_CHUNKS, BLOCK=SCAN_BLOCK, DT=self.DT,
+            VARLEN=layout.varlen, num_warps=SCAN_WARPS)
         return final
 
     def state_segments(self):
@@ -1232,8 +1246,8 @@ class _ChunkRun:
         segment_decay = chunk_decay.sum(2)
         to_chunk = (chunk_decay.cumsum(2) - chunk_decay).view(B, segments * segment_chunks, HV)[:, :NT].contiguous()
         ends = torch.zeros(B * segments, *initial.shape[1:], device=initial.device, dtype=torch.float32)
-        self.state_pass(ends, cu_seqlens, chunk_offsets, B * segments, True, v, strength, W, U0, U, h)
-        starts, final = torch.empty_like(ends), torch.empty_like(initial, memory_format=torch.contiguous_format)
+        self.state_pass(ends, ends, cu_seqlens, chunk_offsets, B * segments, True, v, strength, W, U0, U, h)
+        starts, final = torch.empty_like(ends), _fresh_state(initial)
         Dk, Dv = self.shape["DK"], self.shape["DV"]
         _chunk_segment_starts_kernel[(_cdiv(Dv, self.state_tile()), B, HV)](
             initial.contiguous(), ends, segment_decay, starts, final, segments, HV, Dk, Dv, BK=self.BK,

@@ -35,8 +35,8 @@ DTYPES = {"bf16": (tl.bfloat16, "*bf16"), "fp16": (tl.float16, "*fp16"), "fp32":
 INDEX_POINTERS = ("cu_seqlens_ptr", "chunk_seq_ptr", "chunk_offsets_ptr")
 # Pointers to the states, the gates and the fp32 gradient buffers; the others hold inputs or
 # buffers in the input dtype (dq, dk and dv too: GROUP is 1 here).
-FP32_POINTERS = ("S_ptr", "R_ptr", "G_ptr", "state_ptr", "S0_ptr", "ends_ptr", "starts_ptr", "segment_decay_ptr",
-                 "chunk_decay_ptr", "g_ptr", "strength_ptr", "residual_strength_ptr", "gamma_ptr",
+FP32_POINTERS = ("S_ptr", "R_ptr", "G_ptr", "state_ptr", "S0_ptr", "R0_ptr", "ends_ptr", "starts_ptr",
+                 "segment_decay_ptr", "chunk_decay_ptr", "g_ptr", "strength_ptr", "residual_strength_ptr", "gamma_ptr",
                  "dS_ptr", "dR_ptr", "residual_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
                  "dresidual_strength_ptr", "parts_ptr")
 
@@ -46,7 +46,7 @@ def launches(BK, BV_full, delta, residual, fp32):
     warps = 4 if BK <= 128 else 8
     state_tile = min(BV_full, 64)
     reverse_tile = min(BV_full, 32 if delta else 64)  # `_ChunkRun.state_tile(reverse=True)` from 128 sequence-heads
-    stages, backward_stages = kernels.pipeline_stages(fp32, BK, delta, residual)
+    stages, backward_stages = kernels.pipeline_stages(fp32, BK)
     long_writes_tile, long_writes_warps = kernels.writes_launch(kernels.LONG_CHUNK_SIZE, BV_full, warps)
     return [
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK, STORE_P=residual and not delta), kernels.GRAM_WARPS,
