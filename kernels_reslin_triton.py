@@ -1011,11 +1011,10 @@ class _ChunkRun:
     """The inputs of one chunked call laid out as packed tokens, and everything the forward
     computes before its outputs: T^-1, the WY terms, the chunk-start states h and the writes U
     (of S, and of R with the residual state). The backward builds it again (recomputing is
-    cheaper than keeping h) and reads it, but for the delta rule's inverses T^-1 (and T_R^-1):
-    the forward keeps them (`keep_inverse`), as FLA keeps its A, one [1 or 2, tokens, heads,
-    chunk] tensor in the input dtype, and the backward, given it (`inverse`), skips the gram
-    kernel. For RDN that skips 84 us of its backward at B8xT2048 H16 D128 (H200, session 28's
-    kernel times) for two such tensors kept. RLA's P is formed again (by the writes kernel)."""
+    cheaper than keeping h) and reads it, but for the delta rule's T^-1 without the residual
+    state: the forward keeps it (`keep_inverse`), as FLA keeps its A, one [tokens, heads, chunk]
+    tensor in the input dtype, and the backward, given it (`inverse`), skips the gram kernel.
+    The residual rules would keep three such tensors (T^-1, T_R^-1 and P) and recompute them."""
 
     def __init__(self, q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
                  for_backward=False, keep_inverse=False, inverse=None):
@@ -1048,20 +1047,18 @@ class _ChunkRun:
         self.warps = 4 if self.BK <= 128 else 8
         self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK)
         common = dict(BC=chunk_size, BK=self.BK, DT=self.DT, VARLEN=layout.varlen)
-        if inverse is not None and not delta:
-            raise ValueError("kept inverses serve the delta rule only")
-        self.inverses = None
+        self.keeps_inverse = delta and not residual
+        if inverse is not None and not self.keeps_inverse:
+            raise ValueError("a kept T^-1 serves the delta rule without the residual state only")
         if delta:
-            # Kept inverses leave the forward as an op's output: zeros where the kernels never write
-            # them (the blocks above the diagonal), not whatever the memory held.
-            fresh_inverse = torch.zeros if keep_inverse else torch.empty
-            self.inverses = inverse if inverse is not None else fresh_inverse(
-                1 + residual, L, HV, chunk_size, device=q.device, dtype=q.dtype)
-            self.X = self.inverses[0]
-            if residual:
-                self.X_residual = self.inverses[1]
+            # A kept T^-1 leaves the forward as an op's output: zeros where the kernels never write
+            # it (the blocks above the diagonal), not whatever the memory held.
+            fresh_inverse = torch.zeros if keep_inverse and self.keeps_inverse else torch.empty
+            self.X = fresh_inverse(L, HV, chunk_size, device=q.device, dtype=q.dtype) if inverse is None else inverse
             U0, self.U = empty(L, HV, Dv), empty(L, HV, Dv)
             self.G = torch.empty(L, HV, device=q.device, dtype=torch.float32)  # the WY kernel's
+            if residual:
+                self.X_residual = empty(L, HV, chunk_size)
             store_w = not self.writes_from_inverse()
             if store_w:
                 self.W = empty(L, HV, Dk)
@@ -1337,8 +1334,8 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
                   chunk_size=None, keep_inverse=False):
     """Forward of every rule over [B, T] or packed (cu_seqlens) sequences, the same contract as
     kernels_reslin_torch.chunk_reslin: returns (o in v's dtype, S, R) with fp32 states. With
-    keep_inverse a fourth value: the inverses for chunk_backward's `inverse` (None but for the
-    delta rule). chunk_size None: `forward_chunk_size`'s (a differentiable call
+    keep_inverse a fourth value: T^-1 for chunk_backward's `inverse` (None but for the delta rule
+    without the residual state). chunk_size None: `forward_chunk_size`'s (a differentiable call
     passes the backward's, CHUNK_SIZE)."""
     if chunk_size is None:
         sequences = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
@@ -1346,7 +1343,7 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
     run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
                     keep_inverse=keep_inverse)
     outputs = run.output(scale).reshape(v.shape), run.S, (run.R if run.residual else None)
-    return (*outputs, run.inverses) if keep_inverse else outputs
+    return (*outputs, run.X if run.keeps_inverse else None) if keep_inverse else outputs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1809,7 +1806,7 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
                    chunk_size=CHUNK_SIZE, inverse=None):
     """Gradients of chunk_forward, (dq, dk, dv, dg, dbeta, dgamma, dgamma_write, dS0, dR0) (None
     where there is no residual state), given those of its output (do) and of its final states
-    (dS, dR: tensors or None); `inverse`: the inverses that chunk_forward kept, or None."""
+    (dS, dR: tensors or None); `inverse`: the T^-1 that chunk_forward kept, or None."""
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     L = B * T
@@ -1935,7 +1932,7 @@ def _chunk_forward_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            gamma: Optional[torch.Tensor], gamma_write: Optional[torch.Tensor], S0: torch.Tensor,
                            R0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], update: str, clip: float,
                            scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """chunk_forward as its op returns it, tensors only: (o, S, R, the inverses kept for the backward)."""
+    """chunk_forward as its op returns it, tensors only: (o, S, R, T^-1 kept for the backward)."""
     o, S, R, inverse = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
                                      CHUNK_SIZE, keep_inverse=True)
     return o, S, (_absent(S) if R is None else R), (_absent(q) if inverse is None else inverse)
@@ -2004,7 +2001,7 @@ def _register_ops():
     def _(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale):
         S = _contiguous_like(S0)
         B, T, HV = v.shape[:3]
-        inverse = q.new_empty(1 + (gamma is not None), B * T, HV, CHUNK_SIZE) if update == "delta" else _absent(q)
+        inverse = q.new_empty(B * T, HV, CHUNK_SIZE) if update == "delta" and gamma is None else _absent(q)
         return _contiguous_like(v), S, (_absent(S) if gamma is None else torch.empty_like(S)), inverse
 
     chunk_backward_op = torch.library.custom_op(f"{OP_NAMESPACE}::chunk_backward", mutates_args=())(
