@@ -6,7 +6,9 @@ gains). Each --variant is NAME=FILE, FILE a copy of kernels_reslin_triton.py: th
 another commit's (`git show REV:kernels_reslin_triton.py > scratch/old.py`: the GPU machine
 gets no .git), or one edited with sed (a tile, a warp count). For every rule and shape it calls
 each variant's chunk_forward and, with --backward, its chunk_backward (the recomputed forward
-included) and prints the kernels' total and the slowest kernels, in microseconds per call.
+included) and prints the kernels' total and the slowest kernels, in microseconds per call, and
+the call's own time (CUDA events, as bench_forward.py takes it): below the kernels' total where
+kernels overlap (on two streams), above it where the host is the slower side.
 With --check it also compares every variant's outputs and gradients with the first variant's
 (the largest relative RMS difference; inf where one is not finite), so that a faster variant is
 known to compute the same thing on that GPU before it is worth landing, and gives each variant's
@@ -30,7 +32,7 @@ import os
 import torch
 
 from bench_forward import parse_shape
-from common import DEVICE, REPO, RULES, print_header, rule_inputs
+from common import DEVICE, REPO, RULES, median_ms, print_header, rule_inputs
 from kernel_times import kernel_times
 
 
@@ -117,12 +119,13 @@ def main(argv=None):
             reference = fp32_reference = None
             for name, kernels in variants:
                 try:
-                    forward = kernel_times(lambda: kernels.chunk_forward(*chunk_args), args.repeats)
-                    print(f"  {name:{width}s} forward  {summary(forward, args.top)}", flush=True)
+                    calls = {"forward ": lambda: kernels.chunk_forward(*chunk_args)}
                     if args.backward:
-                        backward = kernel_times(lambda: kernels.chunk_backward(*chunk_args, do, None, None),
-                                                args.repeats)
-                        print(f"  {name:{width}s} backward {summary(backward, args.top)}", flush=True)
+                        calls["backward"] = lambda: kernels.chunk_backward(*chunk_args, do, None, None)
+                    for label, call in calls.items():
+                        times = kernel_times(call, args.repeats)
+                        print(f"  {name:{width}s} {label} {summary(times, args.top)}  call "
+                              f"{1e3 * median_ms(call, args.repeats):.1f} us", flush=True)
                     if args.check:
                         tensors = results(kernels, chunk_args, do, args.backward)
                         if reference is None:
