@@ -119,12 +119,12 @@ def main(argv=None):
             reference = fp32_reference = None
             for name, kernels in variants:
                 try:
-                    calls = {"forward ": lambda: kernels.chunk_forward(*chunk_args)}
+                    calls = {"forward": lambda: kernels.chunk_forward(*chunk_args)}
                     if args.backward:
                         calls["backward"] = lambda: kernels.chunk_backward(*chunk_args, do, None, None)
                     for label, call in calls.items():
                         times = kernel_times(call, args.repeats)
-                        print(f"  {name:{width}s} {label} {summary(times, args.top)}  call "
+                        print(f"  {name:{width}s} {label:8s} {summary(times, args.top)}  call "
                               f"{1e3 * median_ms(call, args.repeats):.1f} us", flush=True)
                     if args.check:
                         tensors = results(kernels, chunk_args, do, args.backward)
