@@ -1,6 +1,6 @@
 """Fused Triton kernels for the layers around the recurrence: the RMS norms (plain and gated by
 SiLU), the short causal convolution with its SiLU (and for q and k the L2 normalisation of each
-head), and SwiGLU.
+head), SwiGLU, and the gates (forward only, for inference).
 
 Their reference is the torch code in modeling_reslin.py (ResLinRMSNorm, ResLinGatedRMSNorm,
 l2_normalize, ResLinShortConvolution, ResLinMLP), which the modeling file runs on the CPU and
@@ -247,6 +247,54 @@ def swiglu(gate, up, down_weight=None):
     if down_weight.dim() != 2 or down_weight.shape[1] != gate.shape[-1]:
         raise ValueError(f"down_weight must be [hidden, {gate.shape[-1]}], got {tuple(down_weight.shape)}")
     return _SwiGLUDown.apply(gate, up, down_weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# The gates, forward only: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), gamma =
+# sigmoid(c), per token and value head, in fp32
+# ---------------------------------------------------------------------------------------------
+
+@_Launcher
+@triton.jit
+def _gates_kernel(a_ptr, b_ptr, c_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, gamma_ptr, numel, HV,
+                  HAS_GAMMA: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    head = offsets % HV
+    x = tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + \
+        tl.load(dt_bias_ptr + head, mask=mask, other=0.0).to(tl.float32)
+    # softplus as torch computes it (threshold 20), written so that exp never overflows.
+    softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+    rate = tl.exp(tl.load(A_log_ptr + head, mask=mask, other=0.0).to(tl.float32))
+    tl.store(g_ptr + offsets, -rate * softplus, mask=mask)
+    tl.store(beta_ptr + offsets, tl.sigmoid(tl.load(b_ptr + offsets, mask=mask, other=0.0).to(tl.float32)), mask=mask)
+    if HAS_GAMMA:
+        c = tl.load(c_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(gamma_ptr + offsets, tl.sigmoid(c), mask=mask)
+
+
+def gates(a, b, c, A_log, dt_bias):
+    """(g, beta, gamma) in fp32 from the gate projections a, b and c (None without the residual
+    state; gamma then None) [..., HV] and the per-head A_log and dt_bias [HV], in one kernel where
+    the torch code (ResLinLinearAttention.gates) launches eight or more: a generation step is bound
+    by its launches. No gradients: the model calls it where autograd is off."""
+    HV = A_log.shape[0]
+    for name, x in (("a", a), ("b", b), ("c", c)):
+        if x is not None and (x.shape != a.shape or x.shape[-1] != HV):
+            raise ValueError(f"gate input {name} must be [..., {HV}] like a, got {tuple(x.shape)}")
+    if dt_bias.shape != A_log.shape:
+        raise ValueError(f"dt_bias must be [{HV}] like A_log, got {tuple(dt_bias.shape)}")
+    a, b = a.contiguous(), b.contiguous()
+    g, beta = (torch.empty(a.shape, device=a.device, dtype=torch.float32) for _ in range(2))
+    gamma = None if c is None else torch.empty_like(g)
+    # A generation step's few elements in a block of their size on one warp: a block of
+    # TILE_ELEMENTS on NUM_WARPS took 5.4 us a call there (H200, B = 1, 8 heads).
+    block = min(TILE_ELEMENTS, max(128, _next_power_of_2(a.numel())))
+    with _on_device(a):
+        _gates_kernel[(_cdiv(a.numel(), block),)](
+            a, b, b if c is None else c.contiguous(), A_log, dt_bias, g, beta, beta if gamma is None else gamma,
+            a.numel(), HV, HAS_GAMMA=c is not None, BLOCK=block, num_warps=max(1, block * NUM_WARPS // TILE_ELEMENTS))
+    return g, beta, gamma
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,9 +40,10 @@ from .kernels_reslin import reslin_attention, reslin_decode_step
 try:
     from .kernels_reslin_triton_layers import rms_norm as fused_rms_norm
     from .kernels_reslin_triton_layers import short_convolution as fused_short_convolution
+    from .kernels_reslin_triton_layers import gates as fused_gates
     from .kernels_reslin_triton_layers import swiglu as fused_swiglu
 except ImportError:  # no Triton: the torch code below serves everywhere
-    fused_rms_norm = fused_short_convolution = fused_swiglu = None
+    fused_rms_norm = fused_short_convolution = fused_swiglu = fused_gates = None
 
 logger = logging.get_logger(__name__)
 
@@ -191,6 +192,17 @@ class ResLinLinearAttention(nn.Module):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
 
+    def gates(self, x):
+        """In fp32: g = -exp(A_log) * softplus(a_proj x + dt_bias) <= 0, beta = sigmoid(b_proj x),
+        gamma = sigmoid(gamma_proj x) (None without the residual state). Without autograd on CUDA
+        in one fused kernel (a generation step's time goes to its launches)."""
+        a, b = self.a_proj(x), self.b_proj(x)
+        c = self.gamma_proj(x) if self.use_residual else None
+        if runs_fused(self.fused, x) and not torch.is_grad_enabled():
+            return fused_gates(a, b, c, self.A_log, self.dt_bias)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g, b.float().sigmoid(), None if c is None else c.float().sigmoid()
+
     def forward(self, x, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None):
         """`attention_mask`: None (no padding) or bool [B, past + T]. `cu_seqlens`: packed
         sequences in one row, whose `position_ids` then restart at 0 for each sequence."""
@@ -215,10 +227,7 @@ class ResLinLinearAttention(nn.Module):
         k = k.view(B, T, self.num_heads, self.head_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
 
-        # Gates in fp32: g = -exp(A_log) * softplus(a_proj x + dt_bias) <= 0, beta = sigmoid(b_proj x).
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
-        beta = self.b_proj(x).float().sigmoid()
-        gamma = self.gamma_proj(x).float().sigmoid() if self.use_residual else None
+        g, beta, gamma = self.gates(x)
         gamma_write = None  # the residual state's write strength, when it is not gamma itself
         if kaczmarz:
             # KLA keeps raw keys and takes the step eta / (||k||^2 + eps), per key head shared by its value

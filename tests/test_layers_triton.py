@@ -119,6 +119,44 @@ def test_short_convolution_matches_the_module(reslin, B, T, D, K, with_state, st
     assert torch.equal(conv.last_inputs(x, state), state_ref)
 
 
+def check_gates(reslin, monkeypatch, mixer_name, dtype, **overrides):
+    """The layer's gates fused and by its torch code, relative error <= 1e-6 (both compute in fp32
+    from the same projections): a generation step's few elements, and more than one program's
+    block with softplus on both sides of its threshold of 20; without gamma (gdn) and with it (rdn)."""
+    if DEVICE == "cpu":  # the modeling file takes the kernels on CUDA only: here, in the interpreter
+        monkeypatch.setattr(reslin.modeling, "runs_fused", lambda fused, x: fused)
+    layer = build_model(mixer_name, **overrides).to(DEVICE, dtype).model.layers[0].attn
+    torch.manual_seed(0)
+    for B, T in ((2, 1), (3, 1500)):
+        x = torch.randn(B, T, layer.a_proj.in_features, device=DEVICE, dtype=dtype)
+        with torch.no_grad():
+            x *= 60 / layer.a_proj(x).abs().max()  # a_proj x + dt_bias spans about -60 to 60
+            layer.fused = True
+            fused = layer.gates(x)
+            layer.fused = False
+            reference = layer.gates(x)
+        assert (fused[2] is None) == (reference[2] is None) == (mixer_name == "gdn")
+        for got, expected in zip(fused, reference):
+            if expected is not None:
+                assert got.dtype == torch.float32 and got.shape == expected.shape
+                assert rel_err(got, expected) <= 1e-6
+    assert B * T * layer.num_v_heads > layers.TILE_ELEMENTS
+
+
+@pytest.mark.parametrize("mixer_name", ["gdn", "rdn"])
+def test_gates_match_the_torch_code(reslin, monkeypatch, mixer_name):
+    """The fused gates (inference only), a tiny fp32 model's (`check_gates`)."""
+    check_gates(reslin, monkeypatch, mixer_name, torch.float32)
+
+
+@pytest.mark.parametrize("mixer_name", ["gdn", "rdn"])
+@on_gpu
+def test_gates_in_bf16_at_real_sizes(reslin, monkeypatch, mixer_name):
+    """`check_gates` on a bf16 layer of a 400M model's width (hidden 1024, 8 value heads), where
+    A_log and dt_bias are bf16 too."""
+    check_gates(reslin, monkeypatch, mixer_name, torch.bfloat16, hidden_size=1024, num_heads=8, head_dim=128)
+
+
 def test_bad_shapes_are_named():
     x = torch.randn(2, 5, 8, device=DEVICE)
     with pytest.raises(ValueError, match="weight must be"):
@@ -139,6 +177,10 @@ def test_bad_shapes_are_named():
         layers.short_convolution(x, torch.ones(8, 1, 4, device=DEVICE), l2_head_size=3)
     with pytest.raises(ValueError, match=r"positions must be \[B, T\]"):
         layers.short_convolution(x, torch.ones(8, 1, 4, device=DEVICE), None, torch.zeros(2, 4, device=DEVICE))
+    with pytest.raises(ValueError, match=r"gate input b must be \[\.\.\., 8\] like a"):
+        layers.gates(x, x[..., :4], None, torch.zeros(8, device=DEVICE), torch.zeros(8, device=DEVICE))
+    with pytest.raises(ValueError, match=r"dt_bias must be \[8\] like A_log"):
+        layers.gates(x, x, x, torch.zeros(8, device=DEVICE), torch.zeros(4, device=DEVICE))
 
 
 def set_fused(model, fused):

@@ -143,7 +143,8 @@ def compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages):
 # The fused layer kernels: activations in the input dtype, fp32 weights (autocast keeps the
 # parameters fp32), fp32 gradient buffers, int64 positions. An absent optional pointer is None,
 # a constexpr, as a launch passes it.
-LAYER_FP32_POINTERS = ("weight_ptr", "dpre_ptr", "dweight_ptr")
+LAYER_FP32_POINTERS = ("weight_ptr", "dpre_ptr", "dweight_ptr", "A_log_ptr", "dt_bias_ptr", "g_ptr", "beta_ptr",
+                       "gamma_ptr")
 
 
 def layer_launches():
@@ -159,6 +160,8 @@ def layer_launches():
                          (layer_kernels._rms_norm_backward_kernel, blocks, absent, warps)]
     variants += [(fn, dict(BLOCK=layer_kernels.TILE_ELEMENTS), (), warps)
                  for fn in (layer_kernels._swiglu_forward_kernel, layer_kernels._swiglu_backward_kernel)]
+    variants += [(layer_kernels._gates_kernel, dict(BLOCK=layer_kernels.TILE_ELEMENTS, HAS_GAMMA=has_gamma), (), warps)
+                 for has_gamma in (False, True)]
     for has_positions in (False, True):
         absent_positions = () if has_positions else ("positions_ptr",)
         variants.append((layer_kernels._short_conv_input_grad_kernel,
