@@ -245,7 +245,7 @@ def test_gradient_checkpointing_changes_no_loss(corpus, data_dir, tmp_path):
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
-def test_compiled_training_gives_the_eager_losses(corpus, capsys):
+def test_compiled_training_gives_the_eager_losses(tmp_path, capsys, monkeypatch):
     """--compile: the model through torch.compile trains as it does eagerly, measured by
     benchmarks/bench_compile.py (an eager and a compiled train.py run, same batches). Here with
     the Triton kernels (in their interpreter) through their custom ops, in aot_eager (inductor's
@@ -253,11 +253,25 @@ def test_compiled_training_gives_the_eager_losses(corpus, capsys):
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     import bench_compile
 
+    # The interpreter's time grows with the chunks the kernels run (a chunk: up to 64 tokens of one
+    # sequence): short files keep the final validation (the whole held-out file) to one batch, and
+    # 2 rows a batch still give the kernels sequences (cu_seqlens) to keep apart.
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        text = "".join(f"def add_{i}_{j}(a, b):\n    return a + b * {j}\n\n" for j in range(6))
+        (corpus / f"module_{i}.py").write_text(text, encoding="utf-8")
+    # One thread in each train.py process, as in a pytest-xdist worker (conftest): beside the other
+    # worker, more threads only contend.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # The full learning rate from the first step, so that the later losses weigh the compiled
+    # backward: at the default warm-up's first rate, 1e-5, a step moved the loss by 3e-4 of itself.
     runs = bench_compile.main(["--steps", "2", "--backend", "aot_eager", "--", "--corpus", str(corpus),
                                "--vocab-size", "300", *TINY_MODEL, "--kernel-backend", "triton", "--seq-len", "64",
-                               "--batch-size", "4", "--eval-tokens", "256", "--device", "cpu"])
-    eager, compiled = ([entry["loss"] for entry in metrics["train"]] + [metrics["final_validation"]["loss"]]
-                       for metrics in runs.values())
+                               "--batch-size", "2", "--eval-tokens", "64", "--lr", "3e-3", "--warmup-steps", "1",
+                               "--device", "cpu"])
+    eager, compiled = ([entry["loss"] for entry in metrics["train"] + metrics["validation"]]
+                       + [metrics["final_validation"]["loss"]] for metrics in runs.values())
     assert compiled == pytest.approx(eager, rel=1e-5)
     assert "compiled (aot_eager)" in capsys.readouterr().out
 
