@@ -22,7 +22,10 @@ def test_check_tells_a_changed_kernel_from_a_copy(tmp_path, capsys):
     assert wrong != source
     (tmp_path / "same.py").write_text(source)
     (tmp_path / "wrong.py").write_text(wrong)
-    kernel_variants.main(["--smoke", "--check", "--backward", "--variant", f"now={kernels}",
+    # --smoke's sizes but one head (the interpreter's time goes with the heads): 70 tokens still
+    # make two chunks, so the changed step shows in the final state.
+    kernel_variants.main(["--check", "--backward", "--rules", "gdn", "rdn", "--shapes", "1x70", "--heads", "1",
+                          "--dim", "32", "--repeats", "1", "--variant", f"now={kernels}",
                           "--variant", f"same={tmp_path / 'same.py'}", "--variant", f"wrong={tmp_path / 'wrong.py'}"])
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if "differs from now" in line]
     difference = {name: [float(line[-1]) for line in lines if line[0] == name] for name in ("same", "wrong")}
