@@ -8,26 +8,15 @@ import argparse
 import collections
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import per_call  # noqa: E402
 from bench_generate import SHAPE, load_ours  # noqa: E402
 from common import RULES  # noqa: E402
 
 STEPS = 20
-
-
-def replay_time_us(replay, calls=50):
-    for _ in range(10):
-        replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main():
@@ -45,7 +34,7 @@ def main():
                 cache = output.past_key_values
                 model(output.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)  # captures the graph
                 replay = cache.decode_graph.graph.replay
-                wall = replay_time_us(replay)
+                wall = per_call(replay, 50) * 1e6
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
                     for _ in range(STEPS):
                         replay()
