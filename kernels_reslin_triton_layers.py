@@ -287,14 +287,20 @@ def gates(a, b, c, A_log, dt_bias):
     a, b = a.contiguous(), b.contiguous()
     g, beta = (torch.empty(a.shape, device=a.device, dtype=torch.float32) for _ in range(2))
     gamma = None if c is None else torch.empty_like(g)
-    # A generation step's few elements in a block of their size on one warp: a block of
-    # TILE_ELEMENTS on NUM_WARPS took 5.4 us a call there (H200, B = 1, 8 heads).
-    block = min(TILE_ELEMENTS, max(128, _next_power_of_2(a.numel())))
+    block, warps = gates_launch(a.numel())
     with _on_device(a):
         _gates_kernel[(_cdiv(a.numel(), block),)](
             a, b, b if c is None else c.contiguous(), A_log, dt_bias, g, beta, beta if gamma is None else gamma,
-            a.numel(), HV, HAS_GAMMA=c is not None, BLOCK=block, num_warps=max(1, block * NUM_WARPS // TILE_ELEMENTS))
+            a.numel(), HV, HAS_GAMMA=c is not None, BLOCK=block, num_warps=warps)
     return g, beta, gamma
+
+
+def gates_launch(numel):
+    """Block and warps of `_gates_kernel` for numel elements. A generation step's few elements in a
+    block of their size on one warp: a block of TILE_ELEMENTS on NUM_WARPS took 5.4 us a call
+    there (H200, B = 1, 8 heads)."""
+    block = min(TILE_ELEMENTS, max(128, _next_power_of_2(numel)))
+    return block, max(1, block * NUM_WARPS // TILE_ELEMENTS)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -160,8 +160,9 @@ def layer_launches():
                          (layer_kernels._rms_norm_backward_kernel, blocks, absent, warps)]
     variants += [(fn, dict(BLOCK=layer_kernels.TILE_ELEMENTS), (), warps)
                  for fn in (layer_kernels._swiglu_forward_kernel, layer_kernels._swiglu_backward_kernel)]
-    variants += [(layer_kernels._gates_kernel, dict(BLOCK=layer_kernels.TILE_ELEMENTS, HAS_GAMMA=has_gamma), (), warps)
-                 for has_gamma in (False, True)]
+    # The gates: a generation step's few elements, and a prefill's many.
+    variants += [(layer_kernels._gates_kernel, dict(BLOCK=block, HAS_GAMMA=has_gamma), (), gates_warps)
+                 for block, gates_warps in map(layer_kernels.gates_launch, (1, 2 ** 20)) for has_gamma in (False, True)]
     for has_positions in (False, True):
         absent_positions = () if has_positions else ("positions_ptr",)
         variants.append((layer_kernels._short_conv_input_grad_kernel,
