@@ -355,7 +355,11 @@ def _conv_tile_indices(T, D, GROUP, BT: tl.constexpr, BD: tl.constexpr):
 @triton.jit
 def _short_conv_forward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, y_ptr, T, D, GROUP, eps,
                                K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                               HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, NORMALIZE: tl.constexpr):
+                               HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, NORMALIZE: tl.constexpr,
+                               UPDATE_STATE: tl.constexpr):
+    """y = silu(convolution), L2-normalised per group with NORMALIZE. With UPDATE_STATE the first
+    time tile's programs, the only ones that read the state, then write the state after x (the
+    last K - 1 inputs of [state, x]) over it."""
     b, times, channels, time_ok, channel_ok = _conv_tile_indices(T, D, GROUP, BT, BD)
     pre = _conv_window(x_ptr, state_ptr, positions_ptr, weight_ptr, b, times, channels, time_ok, channel_ok, T, D,
                        K, BT, BD, HAS_STATE, HAS_POSITIONS)
@@ -364,6 +368,18 @@ def _short_conv_forward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, y_pt
         y = y / tl.sqrt(tl.sum(y * y, axis=1) + eps)[:, None]
     offsets = (b * T + times).to(tl.int64)[:, None] * D + channels[None, :]
     tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=time_ok[:, None] & channel_ok[None, :])
+    if UPDATE_STATE:
+        if tl.program_id(0) == 0:
+            slots = tl.arange(0, BT)  # slot j of the new state holds input T + j of [state, x]
+            source = T + slots
+            slot_ok = (slots < K - 1)[:, None] & channel_ok[None, :]
+            from_state = slot_ok & (source < K - 1)[:, None]
+            window = tl.load(state_ptr + (b * D + channels[None, :]) * (K - 1) + source[:, None], mask=from_state,
+                             other=0.0)
+            window += tl.load(x_ptr + (b * T + source - (K - 1)).to(tl.int64)[:, None] * D + channels[None, :],
+                              mask=slot_ok & (source >= K - 1)[:, None], other=0.0)
+            tl.debug_barrier()  # every read of the old state in this program before the first write
+            tl.store(state_ptr + (b * D + channels[None, :]) * (K - 1) + slots[:, None], window, mask=slot_ok)
 
 
 @_Launcher
@@ -433,7 +449,7 @@ def _conv_grid(B, T, D, group, block_t=CONV_BLOCK_T):
 
 class _ShortConvolution(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, state, positions, l2_head_size):
+    def forward(ctx, x, weight, state, positions, l2_head_size, update_state):
         B, T, D = x.shape
         K = weight.shape[-1]
         x = x.contiguous()
@@ -444,7 +460,7 @@ class _ShortConvolution(torch.autograd.Function):
             _short_conv_forward_kernel[_conv_grid(B, T, D, group)](
                 x, state, positions, weight, y, T, D, group, L2_EPS, K=K, BT=CONV_BLOCK_T, BD=_next_power_of_2(group),
                 HAS_STATE=state is not None, HAS_POSITIONS=positions is not None, NORMALIZE=l2_head_size is not None,
-                num_warps=NUM_WARPS)
+                UPDATE_STATE=update_state, num_warps=NUM_WARPS)
         ctx.save_for_backward(x, weight, state, positions)
         ctx.l2_head_size = l2_head_size
         return y
@@ -477,15 +493,17 @@ class _ShortConvolution(torch.autograd.Function):
                     if j - i < T:
                         dstate[:, :, j] += weight[:, i].float() * dpre[:, j - i]
             dstate = dstate.to(state.dtype)
-        return dx, dweight.sum(-1).to(weight.dtype).view(D, 1, K), dstate, None, None
+        return dx, dweight.sum(-1).to(weight.dtype).view(D, 1, K), dstate, None, None, None
 
 
-def short_convolution(x, weight, state=None, positions=None, l2_head_size=None):
+def short_convolution(x, weight, state=None, positions=None, l2_head_size=None, update_state=False):
     """silu(causal depthwise convolution) of x [B, T, D] with taps weight [D, 1, K], fp32 inside,
     in x's dtype. `state` [B, D, K - 1]: the inputs before x (zeros if None). `positions` [B, T]:
     each token's index in its own packed sequence, so no window crosses a sequence's start.
     `l2_head_size`: then each head of that many channels is L2-normalised after the SiLU,
-    y / sqrt(||y||^2 + 1e-6), without keeping the unnormalised output for the backward."""
+    y / sqrt(||y||^2 + 1e-6), without keeping the unnormalised output for the backward.
+    `update_state`: `state` then becomes the state after x, its last K - 1 inputs, in place (a
+    cache's state, without gradients: a generation step's `torch.cat` and copy are kernels too)."""
     B, T, D = x.shape
     if weight.dim() != 3 or weight.shape[:2] != (D, 1):
         raise ValueError(f"weight must be [D={D}, 1, K], got {tuple(weight.shape)}")
@@ -493,11 +511,23 @@ def short_convolution(x, weight, state=None, positions=None, l2_head_size=None):
     if state is not None:
         if state.shape != (B, D, K - 1):
             raise ValueError(f"state must be [B, D, K - 1] = {(B, D, K - 1)}, got {tuple(state.shape)}")
-        state = state.to(x.dtype).contiguous()
+        if not update_state:
+            state = state.to(x.dtype).contiguous()
+        elif state.dtype != x.dtype or not state.is_contiguous():
+            raise ValueError(f"a state updated in place must be contiguous and of x's dtype {x.dtype}, "
+                             f"got {state.dtype}{'' if state.is_contiguous() else ', not contiguous'}")
+    if update_state:
+        if state is None:
+            raise ValueError("update_state needs a state to update")
+        if K - 1 > CONV_BLOCK_T:  # only the first time tile's programs may read the state
+            raise ValueError(f"update_state takes kernels of at most {CONV_BLOCK_T + 1} taps, got {K}")
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or state.requires_grad):
+            raise ValueError("update_state overwrites the state that the backward would read: use it without "
+                             "gradients")
     if positions is not None:
         if positions.shape != (B, T):
             raise ValueError(f"positions must be [B, T] = {(B, T)}, got {tuple(positions.shape)}")
         positions = positions.contiguous()
     if l2_head_size is not None and not (0 < l2_head_size <= MAX_L2_HEAD_SIZE and D % l2_head_size == 0):
         raise ValueError(f"l2_head_size must divide D = {D} and be at most {MAX_L2_HEAD_SIZE}, got {l2_head_size}")
-    return _ShortConvolution.apply(x, weight, state, positions, l2_head_size)
+    return _ShortConvolution.apply(x, weight, state, positions, l2_head_size, update_state)

@@ -119,6 +119,41 @@ def test_short_convolution_matches_the_module(reslin, B, T, D, K, with_state, st
     assert torch.equal(conv.last_inputs(x, state), state_ref)
 
 
+def check_state_update(reslin, B, T, D, K, l2_head_size, dtype):
+    """update_state: the same output as without it, and the state tensor itself now the module's
+    state after x (its last K - 1 inputs), exactly; the output within 1e-5 of the module's in fp32
+    (bf16 and fp16: within their rounding, 1e-2)."""
+    torch.manual_seed(0)
+    _, _, conv = reference_modules(reslin, D, K)
+    conv = conv.to(DEVICE)
+    x, state = torch.randn(B, T, D, device=DEVICE), torch.randn(B, D, K - 1, device=DEVICE)
+    with torch.no_grad():
+        y_ref, state_ref = conv(x, state, None, l2_head_size)
+        held = state.to(dtype, copy=True)
+        y = layers.short_convolution(x.to(dtype), conv.weight, held, None, l2_head_size, update_state=True)
+        assert torch.equal(y, layers.short_convolution(x.to(dtype), conv.weight, state.to(dtype), None, l2_head_size))
+    assert rel_err(y, y_ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(held, state_ref.to(dtype))
+
+
+@pytest.mark.parametrize("B,T,D,K,with_state,starts,l2_head_size",
+                         [case for case in CONV_CASES if case[4]] + [(2, 40, 24, 4, True, None, None)])
+def test_short_convolution_updates_its_state_in_place(reslin, B, T, D, K, with_state, starts, l2_head_size):
+    """`check_state_update` in fp32: a step's token, T below K - 1, and T past the block of 32
+    (whose second tile must not read the state being overwritten)."""
+    check_state_update(reslin, B, T, D, K, l2_head_size, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@on_gpu
+def test_short_convolution_updates_its_state_in_place_at_real_sizes(reslin, dtype):
+    """`check_state_update` at a 400M model's widths: a generation step of 64 rows and a prefill of
+    4096 tokens continuing from a cache, with and without the L2 norm of heads of 128."""
+    for B, T in ((64, 1), (2, 4096)):
+        for l2_head_size in (None, 128):
+            check_state_update(reslin, B, T, 1024, 4, l2_head_size, dtype)
+
+
 def check_gates(reslin, monkeypatch, mixer_name, dtype, **overrides):
     """The layer's gates fused and by its torch code, relative error <= 1e-6 (both compute in fp32
     from the same projections): a generation step's few elements, and more than one program's
@@ -177,6 +212,13 @@ def test_bad_shapes_are_named():
         layers.short_convolution(x, torch.ones(8, 1, 4, device=DEVICE), l2_head_size=3)
     with pytest.raises(ValueError, match=r"positions must be \[B, T\]"):
         layers.short_convolution(x, torch.ones(8, 1, 4, device=DEVICE), None, torch.zeros(2, 4, device=DEVICE))
+    taps, window = torch.ones(8, 1, 4, device=DEVICE), torch.zeros(2, 8, 3, device=DEVICE)
+    with pytest.raises(ValueError, match="update_state needs a state"):
+        layers.short_convolution(x, taps, update_state=True)
+    with pytest.raises(ValueError, match="contiguous and of x's dtype"):
+        layers.short_convolution(x, taps, window.double(), update_state=True)
+    with pytest.raises(ValueError, match="without gradients"):
+        layers.short_convolution(x.clone().requires_grad_(), taps, window, update_state=True)
     with pytest.raises(ValueError, match=r"gate input b must be \[\.\.\., 8\] like a"):
         layers.gates(x, x[..., :4], None, torch.zeros(8, device=DEVICE), torch.zeros(8, device=DEVICE))
     with pytest.raises(ValueError, match=r"dt_bias must be \[8\] like A_log"):

@@ -173,8 +173,9 @@ def layer_launches():
                 flags = dict(BD=layer_kernels.CONV_BLOCK_D, HAS_STATE=has_state, HAS_POSITIONS=has_positions,
                              NORMALIZE=normalize)
                 absent = absent_positions + (() if has_state else ("state_ptr",))
-                variants += [(layer_kernels._short_conv_forward_kernel, dict(conv, **flags), absent, warps),
-                             (layer_kernels._short_conv_backward_kernel, dict(backward_conv, **flags), absent, warps)]
+                variants += [(layer_kernels._short_conv_forward_kernel, dict(conv, **flags, UPDATE_STATE=update), absent,
+                              warps) for update in ((False, True) if has_state else (False,))]
+                variants.append((layer_kernels._short_conv_backward_kernel, dict(backward_conv, **flags), absent, warps))
     return variants
 
 
