@@ -42,6 +42,14 @@ def _on_device(x):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
+def token_rows(x):
+    """x [..., N] as rows [M, N] of unit-stride columns, a view where x's rows are evenly spaced (a
+    column slice of a wider tensor: a generation step's projections come from one GEMM), else a
+    contiguous copy. The kernels taking it read row m at m * stride(0)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 # ---------------------------------------------------------------------------------------------
 # RMS norm: y = x / sqrt(mean(x^2) + eps) * weight [* silu(gate)], row by row
 # ---------------------------------------------------------------------------------------------
@@ -257,19 +265,21 @@ def swiglu(gate, up, down_weight=None):
 @_Launcher
 @triton.jit
 def _gates_kernel(a_ptr, b_ptr, c_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, gamma_ptr, numel, HV,
-                  HAS_GAMMA: tl.constexpr, BLOCK: tl.constexpr):
+                  a_stride, b_stride, c_stride, HAS_GAMMA: tl.constexpr, BLOCK: tl.constexpr):
+    """Over numel outputs, HV a row; the inputs' rows lie a_stride, b_stride and c_stride apart."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
-    head = offsets % HV
-    x = tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + \
+    row, head = offsets // HV, offsets % HV
+    x = tl.load(a_ptr + row * a_stride + head, mask=mask, other=0.0).to(tl.float32) + \
         tl.load(dt_bias_ptr + head, mask=mask, other=0.0).to(tl.float32)
     # softplus as torch computes it (threshold 20), written so that exp never overflows.
     softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
     rate = tl.exp(tl.load(A_log_ptr + head, mask=mask, other=0.0).to(tl.float32))
     tl.store(g_ptr + offsets, -rate * softplus, mask=mask)
-    tl.store(beta_ptr + offsets, tl.sigmoid(tl.load(b_ptr + offsets, mask=mask, other=0.0).to(tl.float32)), mask=mask)
+    b = tl.load(b_ptr + row * b_stride + head, mask=mask, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + offsets, tl.sigmoid(b), mask=mask)
     if HAS_GAMMA:
-        c = tl.load(c_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(c_ptr + row * c_stride + head, mask=mask, other=0.0).to(tl.float32)
         tl.store(gamma_ptr + offsets, tl.sigmoid(c), mask=mask)
 
 
@@ -284,14 +294,16 @@ def gates(a, b, c, A_log, dt_bias):
             raise ValueError(f"gate input {name} must be [..., {HV}] like a, got {tuple(x.shape)}")
     if dt_bias.shape != A_log.shape:
         raise ValueError(f"dt_bias must be [{HV}] like A_log, got {tuple(dt_bias.shape)}")
-    a, b = a.contiguous(), b.contiguous()
+    a_rows, b_rows = token_rows(a), token_rows(b)
+    c_rows = b_rows if c is None else token_rows(c)
     g, beta = (torch.empty(a.shape, device=a.device, dtype=torch.float32) for _ in range(2))
     gamma = None if c is None else torch.empty_like(g)
     block, warps = gates_launch(a.numel())
     with _on_device(a):
         _gates_kernel[(_cdiv(a.numel(), block),)](
-            a, b, b if c is None else c.contiguous(), A_log, dt_bias, g, beta, beta if gamma is None else gamma,
-            a.numel(), HV, HAS_GAMMA=c is not None, BLOCK=block, num_warps=warps)
+            a_rows, b_rows, c_rows, A_log, dt_bias, g, beta, beta if gamma is None else gamma, a.numel(), HV,
+            a_rows.stride(0), b_rows.stride(0), c_rows.stride(0), HAS_GAMMA=c is not None, BLOCK=block,
+            num_warps=warps)
     return g, beta, gamma
 
 
@@ -309,18 +321,18 @@ def gates_launch(numel):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _conv_tile(x_ptr, state_ptr, positions_ptr, b, times, channels, time_ok, channel_ok, T, D, i,
+def _conv_tile(x_ptr, state_ptr, positions_ptr, b, times, channels, time_ok, channel_ok, T, D, x_stride, i,
                K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr):
     """The inputs that tap i reads for the outputs at `times` x `channels` of row b, in fp32: from
-    the state [B, D, K - 1] before t = 0 (zeros without one), and zero where a packed sequence's
-    start lies in between (positions[b, t] < reach)."""
+    x, whose tokens lie x_stride apart, from the state [B, D, K - 1] before t = 0 (zeros without
+    one), and zero where a packed sequence's start lies in between (positions[b, t] < reach)."""
     reach = K - 1 - i
     source = times - reach
     ok = (time_ok & (source >= 0))[:, None] & channel_ok[None, :]
     if HAS_POSITIONS:
         positions = tl.load(positions_ptr + b * T + times, mask=time_ok, other=0)
         ok = ok & (positions >= reach)[:, None]
-    x = tl.load(x_ptr + (b * T + source).to(tl.int64)[:, None] * D + channels[None, :], mask=ok, other=0.0)
+    x = tl.load(x_ptr + (b * T + source).to(tl.int64)[:, None] * x_stride + channels[None, :], mask=ok, other=0.0)
     x = x.to(tl.float32)
     if HAS_STATE:
         from_state = (time_ok & (source < 0))[:, None] & channel_ok[None, :]
@@ -331,14 +343,14 @@ def _conv_tile(x_ptr, state_ptr, positions_ptr, b, times, channels, time_ok, cha
 
 @triton.jit
 def _conv_window(x_ptr, state_ptr, positions_ptr, weight_ptr, b, times, channels, time_ok, channel_ok, T, D,
-                 K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                 x_stride, K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                  HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr):
     """The convolution before its SiLU at `times` x `channels` of row b, in fp32."""
     pre = tl.zeros([BT, BD], dtype=tl.float32)
     for i in tl.static_range(K):
         weight = tl.load(weight_ptr + channels * K + i, mask=channel_ok, other=0.0).to(tl.float32)
-        pre += _conv_tile(x_ptr, state_ptr, positions_ptr, b, times, channels, time_ok, channel_ok, T, D, i,
-                          K, HAS_STATE, HAS_POSITIONS) * weight[None, :]
+        pre += _conv_tile(x_ptr, state_ptr, positions_ptr, b, times, channels, time_ok, channel_ok, T, D, x_stride,
+                          i, K, HAS_STATE, HAS_POSITIONS) * weight[None, :]
     return pre
 
 
@@ -353,16 +365,17 @@ def _conv_tile_indices(T, D, GROUP, BT: tl.constexpr, BD: tl.constexpr):
 
 @_Launcher
 @triton.jit
-def _short_conv_forward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, y_ptr, T, D, GROUP, eps,
+def _short_conv_forward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, y_ptr, T, D, x_stride, GROUP, eps,
                                K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                                HAS_STATE: tl.constexpr, HAS_POSITIONS: tl.constexpr, NORMALIZE: tl.constexpr,
                                UPDATE_STATE: tl.constexpr):
-    """y = silu(convolution), L2-normalised per group with NORMALIZE. With UPDATE_STATE the first
+    """y = silu(convolution) of x, whose tokens lie x_stride apart (a slice of a wider projection's
+    output at a generation step), L2-normalised per group with NORMALIZE. With UPDATE_STATE the first
     time tile's programs, the only ones that read the state, then write the state after x (the
     last K - 1 inputs of [state, x]) over it."""
     b, times, channels, time_ok, channel_ok = _conv_tile_indices(T, D, GROUP, BT, BD)
     pre = _conv_window(x_ptr, state_ptr, positions_ptr, weight_ptr, b, times, channels, time_ok, channel_ok, T, D,
-                       K, BT, BD, HAS_STATE, HAS_POSITIONS)
+                       x_stride, K, BT, BD, HAS_STATE, HAS_POSITIONS)
     y = pre * tl.sigmoid(pre)
     if NORMALIZE:  # y / sqrt(||y||^2 + eps) over the group's channels (masked ones are zero)
         y = y / tl.sqrt(tl.sum(y * y, axis=1) + eps)[:, None]
@@ -376,7 +389,7 @@ def _short_conv_forward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, y_pt
             from_state = slot_ok & (source < K - 1)[:, None]
             window = tl.load(state_ptr + (b * D + channels[None, :]) * (K - 1) + source[:, None], mask=from_state,
                              other=0.0)
-            window += tl.load(x_ptr + (b * T + source - (K - 1)).to(tl.int64)[:, None] * D + channels[None, :],
+            window += tl.load(x_ptr + (b * T + source - (K - 1)).to(tl.int64)[:, None] * x_stride + channels[None, :],
                               mask=slot_ok & (source >= K - 1)[:, None], other=0.0)
             tl.debug_barrier()  # every read of the old state in this program before the first write
             tl.store(state_ptr + (b * D + channels[None, :]) * (K - 1) + slots[:, None], window, mask=slot_ok)
@@ -394,7 +407,7 @@ def _short_conv_backward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, dy_
     b, times, channels, time_ok, channel_ok = _conv_tile_indices(T, D, GROUP, BT, BD)
     mask = time_ok[:, None] & channel_ok[None, :]
     pre = _conv_window(x_ptr, state_ptr, positions_ptr, weight_ptr, b, times, channels, time_ok, channel_ok, T, D,
-                       K, BT, BD, HAS_STATE, HAS_POSITIONS)
+                       D, K, BT, BD, HAS_STATE, HAS_POSITIONS)
     offsets = (b * T + times).to(tl.int64)[:, None] * D + channels[None, :]
     sig = tl.sigmoid(pre)
     dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -409,7 +422,7 @@ def _short_conv_backward_kernel(x_ptr, state_ptr, positions_ptr, weight_ptr, dy_
     tiles = tl.num_programs(0) * tl.num_programs(2)
     tile = b * tl.num_programs(0) + tl.program_id(0)
     for i in tl.static_range(K):
-        x = _conv_tile(x_ptr, state_ptr, positions_ptr, b, times, channels, time_ok, channel_ok, T, D, i,
+        x = _conv_tile(x_ptr, state_ptr, positions_ptr, b, times, channels, time_ok, channel_ok, T, D, D, i,
                        K, HAS_STATE, HAS_POSITIONS)
         tl.store(dweight_ptr + (channels * K + i).to(tl.int64) * tiles + tile, tl.sum(dpre * x, axis=0),
                  mask=channel_ok)
@@ -452,23 +465,24 @@ class _ShortConvolution(torch.autograd.Function):
     def forward(ctx, x, weight, state, positions, l2_head_size, update_state):
         B, T, D = x.shape
         K = weight.shape[-1]
-        x = x.contiguous()
+        rows = token_rows(x)
         weight = weight.reshape(D, K).contiguous()
         group = l2_head_size or CONV_BLOCK_D
-        y = torch.empty_like(x)
+        y = x.new_empty(B, T, D)
         with _on_device(x):
             _short_conv_forward_kernel[_conv_grid(B, T, D, group)](
-                x, state, positions, weight, y, T, D, group, L2_EPS, K=K, BT=CONV_BLOCK_T, BD=_next_power_of_2(group),
-                HAS_STATE=state is not None, HAS_POSITIONS=positions is not None, NORMALIZE=l2_head_size is not None,
+                rows, state, positions, weight, y, T, D, rows.stride(0), group, L2_EPS, K=K, BT=CONV_BLOCK_T,
+                BD=_next_power_of_2(group), HAS_STATE=state is not None, HAS_POSITIONS=positions is not None, NORMALIZE=l2_head_size is not None,
                 UPDATE_STATE=update_state, num_warps=NUM_WARPS)
-        ctx.save_for_backward(x, weight, state, positions)
+        ctx.save_for_backward(rows, weight, state, positions)
         ctx.l2_head_size = l2_head_size
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, state, positions = ctx.saved_tensors
-        B, T, D = x.shape
+        rows, weight, state, positions = ctx.saved_tensors
+        B, T, D = dy.shape
+        x = rows.contiguous().view(B, T, D)  # the backward's kernels read rows D apart
         K = weight.shape[-1]
         group = ctx.l2_head_size or CONV_BLOCK_D
         dy = dy.contiguous()

@@ -119,6 +119,29 @@ def test_short_convolution_matches_the_module(reslin, B, T, D, K, with_state, st
     assert torch.equal(conv.last_inputs(x, state), state_ref)
 
 
+@pytest.mark.parametrize("B,T,D,K,with_state,starts,l2_head_size", [CONV_CASES[i] for i in (0, 2, 4, 8)])
+def test_short_convolution_of_a_column_slice(reslin, B, T, D, K, with_state, starts, l2_head_size):
+    """x a slice of a wider tensor's columns (a generation step's q, k or v from one GEMM), read in
+    place: the output, the updated state and the gradients exactly those of a contiguous copy."""
+    torch.manual_seed(0)
+    _, _, conv = reference_modules(reslin, D, K)
+    wide, dy = torch.randn(B, T, D + 40, device=DEVICE), torch.randn(B, T, D, device=DEVICE)
+    state = torch.randn(B, D, K - 1, device=DEVICE) if with_state else None
+    positions = packed_positions(T, starts, B) if starts else None
+    results = []
+    for x in (wide[..., 24:24 + D].requires_grad_(), wide[..., 24:24 + D].contiguous().requires_grad_()):
+        y = layers.short_convolution(x, conv.weight.to(DEVICE), state, positions, l2_head_size)
+        results.append((y, *torch.autograd.grad(y, x, dy)))
+        if state is not None:
+            with torch.no_grad():
+                held = state.clone()
+                layers.short_convolution(x, conv.weight.to(DEVICE), held, positions, l2_head_size, update_state=True)
+                results[-1] += (held,)
+    assert not wide[..., 24:24 + D].is_contiguous()
+    for got, expected in zip(*results):
+        assert torch.equal(got, expected)
+
+
 def check_state_update(reslin, B, T, D, K, l2_head_size, dtype):
     """update_state: the same output as without it, and the state tensor itself now the module's
     state after x (its last K - 1 inputs), exactly; the output within 1e-5 of the module's in fp32
@@ -156,8 +179,9 @@ def test_short_convolution_updates_its_state_in_place_at_real_sizes(reslin, dtyp
 
 def check_gates(reslin, monkeypatch, mixer_name, dtype, **overrides):
     """The layer's gates fused and by its torch code, relative error <= 1e-6 (both compute in fp32
-    from the same projections): a generation step's few elements, and more than one program's
-    block with softplus on both sides of its threshold of 20; without gamma (gdn) and with it (rdn)."""
+    from the same projections): a generation step's few elements (its a, b and c column slices of
+    one GEMM's output), and more than one program's block with softplus on both sides of its
+    threshold of 20; without gamma (gdn) and with it (rdn)."""
     if DEVICE == "cpu":  # the modeling file takes the kernels on CUDA only: here, in the interpreter
         monkeypatch.setattr(reslin.modeling, "runs_fused", lambda fused, x: fused)
     layer = build_model(mixer_name, **overrides).to(DEVICE, dtype).model.layers[0].attn
@@ -167,9 +191,11 @@ def check_gates(reslin, monkeypatch, mixer_name, dtype, **overrides):
         with torch.no_grad():
             x *= 60 / layer.a_proj(x).abs().max()  # a_proj x + dt_bias spans about -60 to 60
             layer.fused = True
-            fused = layer.gates(x)
+            a, b, c = layer.input_projections(x)[3:]
+            fused = layer.gates(x, a, b, c)
             layer.fused = False
-            reference = layer.gates(x)
+            reference = layer.gates(x, a, b, c)
+        assert a.is_contiguous() == (T > 1)
         assert (fused[2] is None) == (reference[2] is None) == (mixer_name == "gdn")
         for got, expected in zip(fused, reference):
             if expected is not None:
@@ -190,6 +216,45 @@ def test_gates_in_bf16_at_real_sizes(reslin, monkeypatch, mixer_name):
     """`check_gates` on a bf16 layer of a 400M model's width (hidden 1024, 8 value heads), where
     A_log and dt_bias are bf16 too."""
     check_gates(reslin, monkeypatch, mixer_name, torch.bfloat16, hidden_size=1024, num_heads=8, head_dim=128)
+
+
+def test_gates_read_each_input_at_its_own_row_stride():
+    """a, b and c with rows apart by different strides (column slices of tensors of other widths,
+    and a contiguous one) give exactly what their contiguous copies give."""
+    torch.manual_seed(0)
+    A_log, dt_bias = torch.randn(8, device=DEVICE), torch.randn(8, device=DEVICE)
+    a = torch.randn(3, 5, 20, device=DEVICE)[..., 4:12]
+    b = torch.randn(3, 5, 8, device=DEVICE)
+    c = torch.randn(3, 5, 13, device=DEVICE)[..., 1:9]
+    for got, expected in zip(layers.gates(a, b, c, A_log, dt_bias),
+                             layers.gates(a.contiguous(), b, c.contiguous(), A_log, dt_bias)):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("mixer_name", ["gdn", "rdn"])
+def test_input_projections_in_one_gemm_at_a_step(reslin, monkeypatch, mixer_name):
+    """At a generation step (one token a row, no autograd) the layer's q, k, v, a, b (and c) are
+    column slices of one GEMM, equal to each projection's own call within 1e-6 (fp32); a prefill,
+    or a projection that is not a plain nn.Linear (a hook here, as PEFT's wrappers), calls each."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(reslin.modeling, "runs_fused", lambda fused, x: fused)
+    layer = build_model(mixer_name).to(DEVICE).model.layers[0].attn
+    projections = [layer.q_proj, layer.k_proj, layer.v_proj, layer.a_proj, layer.b_proj,
+                   getattr(layer, "gamma_proj", None)]
+    torch.manual_seed(0)
+    for T, hooked in ((1, False), (4, False), (1, True)):
+        x = torch.randn(3, T, layer.q_proj.in_features, device=DEVICE)
+        hook = layer.k_proj.register_forward_hook(lambda module, args, out: out + 1) if hooked else None
+        with torch.no_grad():
+            outputs = layer.input_projections(x)
+            expected = [None if projection is None else projection(x) for projection in projections]
+        if hook is not None:
+            hook.remove()
+        assert outputs[0].is_contiguous() == (T > 1 or hooked)
+        assert (outputs[5] is None) == (mixer_name == "gdn")
+        for got, want in zip(outputs, expected):
+            if want is not None:
+                assert got.shape == want.shape and rel_err(got, want) <= 1e-6
 
 
 def test_bad_shapes_are_named():
