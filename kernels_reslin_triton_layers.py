@@ -472,8 +472,8 @@ class _ShortConvolution(torch.autograd.Function):
         with _on_device(x):
             _short_conv_forward_kernel[_conv_grid(B, T, D, group)](
                 rows, state, positions, weight, y, T, D, rows.stride(0), group, L2_EPS, K=K, BT=CONV_BLOCK_T,
-                BD=_next_power_of_2(group), HAS_STATE=state is not None, HAS_POSITIONS=positions is not None, NORMALIZE=l2_head_size is not None,
-                UPDATE_STATE=update_state, num_warps=NUM_WARPS)
+                BD=_next_power_of_2(group), HAS_STATE=state is not None, HAS_POSITIONS=positions is not None,
+                NORMALIZE=l2_head_size is not None, UPDATE_STATE=update_state, num_warps=NUM_WARPS)
         ctx.save_for_backward(rows, weight, state, positions)
         ctx.l2_head_size = l2_head_size
         return y

@@ -211,11 +211,11 @@ class ResLinLinearAttention(nn.Module):
             outputs = [projection(x) for projection in projections]
         return tuple(outputs) if self.use_residual else (*outputs, None)
 
-    def gates(self, x, a, b, c):
-        """In fp32 from the gates' projections of x: g = -exp(A_log) * softplus(a + dt_bias) <= 0,
+    def gates(self, a, b, c):
+        """In fp32 from the gates' projections: g = -exp(A_log) * softplus(a + dt_bias) <= 0,
         beta = sigmoid(b), gamma = sigmoid(c) (None without the residual state). Without autograd on
         CUDA in one fused kernel (a generation step's time goes to its launches)."""
-        if runs_fused(self.fused, x) and not torch.is_grad_enabled():
+        if runs_fused(self.fused, a) and not torch.is_grad_enabled():
             return fused_gates(a, b, c, self.A_log, self.dt_bias)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return g, b.float().sigmoid(), None if c is None else c.float().sigmoid()
@@ -245,7 +245,7 @@ class ResLinLinearAttention(nn.Module):
         k = k.view(B, T, self.num_heads, self.head_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
 
-        g, beta, gamma = self.gates(x, a, b, c)
+        g, beta, gamma = self.gates(a, b, c)
         gamma_write = None  # the residual state's write strength, when it is not gamma itself
         if kaczmarz:
             # KLA keeps raw keys and takes the step eta / (||k||^2 + eps), per key head shared by its value
