@@ -252,10 +252,13 @@ class ResLinLinearAttention(nn.Module):
             # heads. With raw keys the residual state's delta rule needs the same step (a plain gamma
             # diverges once gamma ||k||^2 > 2), while its read keeps gamma.
             # (vector_norm in fp32 keeps no fp32 copy of k for the backward, where k.float() would.)
-            key_norm2 = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).square()
-            key_norm2 = key_norm2.repeat_interleave(self.num_v_heads // self.num_heads, dim=-1)
-            beta = beta / (key_norm2 + self.kaczmarz_eps)
-            gamma_write = gamma / (key_norm2 + self.kaczmarz_eps) if gamma is not None else None
+            # (Each elementwise op is a kernel of a generation step: the denominator formed once, spread
+            # over value heads only where there are more of them.)
+            denominator = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).square() + self.kaczmarz_eps
+            if self.num_v_heads != self.num_heads:
+                denominator = denominator.repeat_interleave(self.num_v_heads // self.num_heads, dim=-1)
+            beta = beta / denominator
+            gamma_write = gamma / denominator if gamma is not None else None
         if token_mask is not None:
             # a = exp(0) = 1 and zero write strengths: a padded position passes every state through unchanged.
             step = token_mask.to(g.dtype)[..., None]

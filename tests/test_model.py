@@ -287,11 +287,13 @@ def test_beam_reorder_cache(tiny_model):
     assert math.isfinite(got.sum().item())
 
 
-@pytest.mark.parametrize("mixer_name", ["gdn", "kla", "rdn", "rkla"])
+@pytest.mark.parametrize("mixer_name,value_heads", [("gdn", 2), ("kla", 2), ("rdn", 2), ("rkla", 2), ("rkla", 4)])
 @torch.no_grad()
-def test_kernel_inputs_follow_the_step_rule(tiny_model, reslin, monkeypatch, mixer_name):
-    """What the layer hands reslin_attention: normalised q, keys and write strengths per step rule."""
-    model = tiny_model(mixer_name, initializer_range=0.2)  # features well above the L2 norm's eps
+def test_kernel_inputs_follow_the_step_rule(tiny_model, reslin, monkeypatch, mixer_name, value_heads):
+    """What the layer hands reslin_attention: normalised q, keys and write strengths per step rule
+    (the Kaczmarz step of a key head shared by its value heads)."""
+    model = tiny_model(mixer_name, initializer_range=0.2,  # features well above the L2 norm's eps
+                       num_v_heads=value_heads, expand_v=2 / value_heads)
     attn = model.model.layers[0].attn
     calls = []
     kernel = reslin.modeling.reslin_attention
@@ -310,7 +312,7 @@ def test_kernel_inputs_follow_the_step_rule(tiny_model, reslin, monkeypatch, mix
     eta = attn.b_proj(x).sigmoid()
     gamma = attn.gamma_proj(x).sigmoid() if model.config.use_residual else None
     if model.config.step_rule == "kaczmarz":
-        norm2 = call["k"].pow(2).sum(-1)
+        norm2 = call["k"].pow(2).sum(-1).repeat_interleave(value_heads // 2, dim=-1)
         assert not torch.allclose(norm2, torch.ones_like(norm2))  # raw keys
         torch.testing.assert_close(call["beta"], eta / (norm2 + 1e-6))
         if gamma is not None:
