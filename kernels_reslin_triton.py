@@ -432,13 +432,15 @@ def _store_inverse(M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, strength_pt
 @_Launcher
 @triton.jit
 def _chunk_gram_kernel(k_ptr, g_ptr, strength_ptr, residual_strength_ptr, cu_seqlens_ptr, chunk_seq_ptr,
-                       chunk_offsets_ptr, X_ptr, X_residual_ptr, P_ptr, T, NT, HV, GROUP, DK, BC: tl.constexpr,
+                       chunk_offsets_ptr, X_ptr, X_residual_ptr, P_ptr, row_factors_ptr, chunk_factors_ptr, T, NT,
+                       HV, GROUP, DK, BC: tl.constexpr,
                        BLOCK: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
                        RESIDUAL: tl.constexpr, STORE_P: tl.constexpr, VARLEN: tl.constexpr):
     """What a chunk's K K^T gives, by 16 x 16 blocks: for the delta rule T^-1 for S (write
     strength beta) and, with the residual state, for R (its write strength); with STORE_P (RLA's
     fused pass) the prediction operator P = strictly_lower(e^(G_prev_i - G_j) K K^T), which
-    `_pred` reads so that the sequential kernel needs no K K^T in its loop."""
+    `_pred` reads so that the sequential kernel needs no K K^T in its loop, and the pass's
+    factors of the gates (`_load_pass_factors`)."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     fixed = (end, head, HV, GROUP, DK)
@@ -454,11 +456,45 @@ def _chunk_gram_kernel(k_ptr, g_ptr, strength_ptr, residual_strength_ptr, cu_seq
     blocks = (rows0, ok0, rows1, ok1, rows2, ok2, rows3, ok3, head, HV)
     if STORE_P:
         _store_lower(*_decayed_blocks(*gram, Gp0, Gp1, Gp2, Gp3, G0, G1, G2, G3, BLOCK), P_ptr, *blocks, BC, BLOCK)
+        gates = (strength_ptr, residual_strength_ptr)
+        _store_pass_factors(row_factors_ptr, rows0, ok0, head, HV, G0, Gp0, G_end, *gates)
+        _store_pass_factors(row_factors_ptr, rows1, ok1, head, HV, G1, Gp1, G_end, *gates)
+        _store_pass_factors(row_factors_ptr, rows2, ok2, head, HV, G2, Gp2, G_end, *gates)
+        _store_pass_factors(row_factors_ptr, rows3, ok3, head, HV, G3, Gp3, G_end, *gates)
+        tl.store(chunk_factors_ptr + chunk * HV + head, tl.exp(G_end))
     if DELTA:
         A = _decayed_blocks(*gram, G0, G1, G2, G3, G0, G1, G2, G3, BLOCK)
         _store_inverse(*A, strength_ptr, X_ptr, *blocks, BC, BLOCK, DT)
         if RESIDUAL:
             _store_inverse(*A, residual_strength_ptr, X_residual_ptr, *blocks, BC, BLOCK, DT)
+
+
+@triton.jit
+def _store_pass_factors(row_factors_ptr, rows, row_ok, head, HV, G, G_prev, G_last, strength_ptr,
+                        residual_strength_ptr):
+    """A block of rows' factors for RLA's fused pass (`_load_pass_factors`), four fp32 a row."""
+    offsets = (rows * HV + head) * 4
+    tl.store(row_factors_ptr + offsets, tl.exp(G_prev), mask=row_ok)
+    tl.store(row_factors_ptr + offsets + 1, _token_scalars(strength_ptr, rows, row_ok, head, HV), mask=row_ok)
+    tl.store(row_factors_ptr + offsets + 2, _token_scalars(residual_strength_ptr, rows, row_ok, head, HV),
+             mask=row_ok)
+    tl.store(row_factors_ptr + offsets + 3, tl.exp(G_last - G), mask=row_ok)
+
+
+@triton.jit
+def _load_pass_factors(row_factors_ptr, chunk_factors_ptr, chunk, rows, row_ok, head, HV, BC: tl.constexpr):
+    """What RLA's fused pass needs of a chunk's gates: e^(G_last), and by row e^(G_prev) (pred),
+    b, gamma and e^(G_last - G), the latter four one [BC, 4] load (rows past the sequence 0,
+    where nothing is written). Scanning g and loading b and gamma apart in the loop cost more:
+    H200, H16 D128, B2xT8192 (session 32), the pass 342 -> 306 us formed by a kernel of its own
+    (19 us), 341 -> 239 with no gate loaded at all (wrong, to time)."""
+    factors = tl.load(row_factors_ptr + (rows * HV + head)[:, None] * 4 + tl.arange(0, 4)[None, :],
+                      mask=row_ok[:, None], other=0.0)
+    even, odd = tl.split(tl.reshape(factors, (BC, 2, 2)))  # columns 0 and 2, 1 and 3
+    pred_decay, residual_strength = tl.split(even)
+    strength, to_end = tl.split(odd)
+    decay = tl.load(chunk_factors_ptr + chunk * HV + head)
+    return decay, pred_decay, strength, residual_strength, to_end
 
 
 @triton.jit
@@ -516,20 +552,21 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X
 
 
 @triton.jit
-def _pred(k, h, U, P, G_prev, DT: tl.constexpr):
+def _pred(k, h, U, P, pred_decay, DT: tl.constexpr):
     """pred_t = S_{t-1}^T k_t for a chunk's rows: decay e^(G_{t-1} - G_j), never divided by a_t,
-    so the chunk-start state h reaches row t as e^(G_prev_t) and earlier rows' writes U through P."""
-    return tl.exp(G_prev)[:, None] * _mm(k, h, DT) + _mm(P, U, DT)
+    so the chunk-start state h reaches row t as pred_decay = e^(G_prev_t) and earlier rows'
+    writes U through P."""
+    return pred_decay[:, None] * _mm(k, h, DT) + _mm(P, U, DT)
 
 
 @triton.jit
-def _clipped_residual(k, v, h, U, P, G_prev, clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT: tl.constexpr,
+def _clipped_residual(k, v, h, U, P, pred_decay, clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT: tl.constexpr,
                       STORE_Z: tl.constexpr):
     """The residual clip(v - pred, -c, c) of a chunk's rows that R writes, from S's chunk-start
     state h and its writes U. z = v - pred is stored for the backward when STORE_Z, in the
     inputs' dtype, as +-inf where it was clipped: the backward's clip decisions are then the
     forward's own, however z rounds near the clip."""
-    z = v - _pred(k, h, U, P, G_prev, DT)
+    z = v - _pred(k, h, U, P, pred_decay, DT)
     residual = tl.minimum(tl.maximum(z, -clip), clip)
     if STORE_Z:
         clipped = tl.where(z > 0, float("inf"), float("-inf"))
@@ -538,9 +575,10 @@ def _clipped_residual(k, v, h, U, P, G_prev, clip, z_ptr, rows, row_ok, head, HV
 
 
 @triton.jit
-def _added(k_t, G, G_last, U, DT: tl.constexpr):
-    """What a chunk's writes U add to the state by its end: (e^(G_last - G) K)^T U."""
-    return _mm(k_t, tl.exp(G_last - G)[:, None] * U, DT)
+def _added(k_t, to_end, U, DT: tl.constexpr):
+    """What a chunk's writes U add to the state by its end: (diag(to_end) K)^T U, to_end =
+    e^(G_last - G)."""
+    return _mm(k_t, to_end[:, None] * U, DT)
 
 
 @triton.jit
@@ -556,9 +594,10 @@ def _chunk_writes(v_ptr, strength_ptr, U_ptr, rows, row_ok, head, HV, vcols, DV,
 
 
 @triton.jit
-def _advanced(S, k_t, G, G_last, U, DT: tl.constexpr):
-    """A state at the chunk's end from its start: e^(G_last) S + (e^(G_last - G) K)^T U."""
-    return tl.exp(G_last) * S + _added(k_t, G, G_last, U, DT)
+def _advanced(S, k_t, decay, to_end, U, DT: tl.constexpr):
+    """A state at the chunk's end from its start: e^(G_last) S + (e^(G_last - G) K)^T U, given
+    decay = e^(G_last) and to_end = e^(G_last - G)."""
+    return decay * S + _added(k_t, to_end, U, DT)
 
 
 @triton.jit
@@ -574,9 +613,10 @@ def _chunk_decay(g_ptr, G_ptr, start, rows, row_ok, end, head, HV, BC: tl.conste
     """A sequential pass's chunk decays: G, G at the chunk's last real row and (with SCAN) G_prev =
     G - g. Without SCAN they are loads of the G that the WY kernel (delta rule) or the decay
     kernel (additive rule) stored, so that no scan sits on the loop's chain (rows past the
-    sequence load 0, where every write is 0). The passes that read G_prev (pred) load g anyway
-    and scan it: loading G there as well was slower (H200, H16 D128, session 27: RLA's fused
-    pass 340 -> 393 us at B2xT8192, RDN's S reverse pass +50 us at B8xT2048)."""
+    sequence load 0, where every write is 0). The residual rules' S reverse pass, which reads
+    G_prev (pred), loads g anyway and scans it: loading G there as well was slower (H200, H16
+    D128, session 27: RDN's S reverse pass +50 us at B8xT2048). RLA's fused pass loads its
+    decays with its gates as one tile instead (`_load_pass_factors`)."""
     if SCAN:
         g = _token_scalars(g_ptr, rows, row_ok, head, HV)
         G = tl.cumsum(g, axis=0)
@@ -592,7 +632,7 @@ def _chunk_decay(g_ptr, G_ptr, start, rows, row_ok, end, head, HV, BC: tl.conste
 @_Launcher
 @triton.jit
 def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S0_ptr, S_ptr,
-                        residual_strength_ptr, P_ptr, z_ptr, U_residual_ptr, h_residual_ptr, R0_ptr, R_ptr,
+                        P_ptr, row_factors_ptr, chunk_factors_ptr, z_ptr, U_residual_ptr, h_residual_ptr, R0_ptr, R_ptr,
                         cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
                         W_FROM_INVERSE: tl.constexpr, BOTH_STATES: tl.constexpr, STORE_Z: tl.constexpr,
@@ -604,7 +644,8 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr,
     run it twice: for S, then for R with its own writes (`_chunk_residual_writes_kernel`) in place
     of V, or of U0 and W. Or, for RLA (BOTH_STATES, additive rule only), S and R together: R's
     writes made from S's chunk-start state as that kernel makes them, kept in registers; R0_ptr
-    and R_ptr as S0_ptr and S_ptr. Every step is separable by value column, so a program owns the
+    and R_ptr as S0_ptr and S_ptr; the gates and decays from the gram kernel's pass factors
+    (`_load_pass_factors`). Every step is separable by value column, so a program owns the
     same value tile of S and R. With W_FROM_INVERSE W_ptr holds T^-1, and W h = T^-1 diag(b e^G)
     (K h) is formed from it and the chunk's keys."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
@@ -624,11 +665,14 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr,
             tl.store(h_residual_ptr + chunk_tile, R.to(DT), mask=tile_ok)
         rows = start + r
         row_ok = rows < eos
-        G, G_last, G_prev = _chunk_decay(g_ptr, G_ptr, start, rows, row_ok, eos, head, HV, BC, BOTH_STATES)
         if BOTH_STATES:  # K for pred; its transpose for the advance without a second load
+            decay, pred_decay, strength, residual_strength, to_end = _load_pass_factors(
+                row_factors_ptr, chunk_factors_ptr, chunk, rows, row_ok, head, HV, BC)
             k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
             k_t = tl.trans(k)
         else:
+            G, G_last, _ = _chunk_decay(g_ptr, G_ptr, start, rows, row_ok, eos, head, HV, BC, False)
+            decay, to_end = tl.exp(G_last), tl.exp(G_last - G)
             k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         if DELTA:
             U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
@@ -641,15 +685,17 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr,
             _store_rows(U_ptr, rows, row_ok, head, HV, vcols, DV, U)
         else:
             v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
+            if not BOTH_STATES:
+                strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
+            U = strength[:, None] * v
         if BOTH_STATES:
-            residual = _clipped_residual(k, v, S, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), G_prev, clip,
+            residual = _clipped_residual(k, v, S, U, _load_lower(P_ptr, rows, row_ok, head, HV, BC), pred_decay, clip,
                                          z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
-            U_residual = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
+            U_residual = residual_strength[:, None] * residual
             _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, U_residual)
-        S = _advanced(S, k_t, G, G_last, U, DT)
+        S = _advanced(S, k_t, decay, to_end, U, DT)
         if BOTH_STATES:
-            R = _advanced(R, k_t, G, G_last, U_residual, DT)
+            R = _advanced(R, k_t, decay, to_end, U_residual, DT)
         chunk += 1
     tl.store(S_ptr + state_offsets, S, mask=tile_ok)
     if BOTH_STATES:
@@ -674,7 +720,7 @@ def _chunk_local_state_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, h_ptr, chunk_de
     U = _chunk_writes(v_ptr, strength_ptr, v_ptr, rows, row_ok, head, HV, vcols, DV, DELTA=False)
     h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
     G_last = tl.sum(g, axis=0)
-    tl.store(h_ptr + h_offsets, _added(k_t, tl.cumsum(g, axis=0), G_last, U, DT).to(DT), mask=tile_ok)
+    tl.store(h_ptr + h_offsets, _added(k_t, tl.exp(G_last - tl.cumsum(g, axis=0)), U, DT).to(DT), mask=tile_ok)
     if value_tile == 0:
         tl.store(chunk_decay_ptr + chunk.to(tl.int64) * HV + head, G_last)
 
@@ -758,7 +804,7 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
         U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
     else:
         U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
-    residual = _clipped_residual(k, v, h, U, P, G - g, clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
+    residual = _clipped_residual(k, v, h, U, P, tl.exp(G - g), clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
     scaled = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
     if DELTA:
         _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV,
@@ -766,7 +812,7 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
     else:
         _store_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV, scaled)
         if ADDS_TO_STATE:
-            added = _added(tl.trans(k), G, tl.sum(g, axis=0), scaled, DT)
+            added = _added(tl.trans(k), tl.exp(tl.sum(g, axis=0) - G), scaled, DT)
             tl.store(h_residual_ptr + h_offsets, added.to(DT), mask=tile_ok)
         else:
             _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV, residual)
@@ -1037,6 +1083,7 @@ class _ChunkRun:
         self.z = empty(L, HV, Dv) if store_z else v
         # Unused pointers point at a real tensor; the kernels never read them.
         self.X = self.X_residual = self.P = self.W = self.W_residual = U0 = self.U = v
+        self.row_factors = self.chunk_factors = v
         if not residual:
             self.gamma_write = beta
         self.tables = (layout.cu_seqlens, layout.chunk_seq, layout.chunk_offsets)
@@ -1065,13 +1112,17 @@ class _ChunkRun:
                 if residual:
                     self.W_residual = empty(L, HV, Dk)
         fused = residual and self.fuse_residual_passes()
-        # The writes kernel forms P itself, stored only for the backward; RLA's fused pass reads P.
+        # The writes kernel forms P itself, stored only for the backward; RLA's fused pass reads P,
+        # and its gates' factors (`_load_pass_factors`), from the gram kernel.
         if residual and (fused or store_z):
             self.P = empty(L, HV, chunk_size)
+        if fused:
+            factors = functools.partial(torch.empty, device=q.device, dtype=torch.float32)
+            self.row_factors, self.chunk_factors = factors(L, HV, 4), factors(layout.num_chunks, HV)
         if (delta or fused) and inverse is None:
             _chunk_gram_kernel[(layout.num_chunks, HV)](
-                k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, layout.T, layout.NT,
-                HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta, RESIDUAL=residual, STORE_P=fused, **common,
+                k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, self.row_factors,
+                self.chunk_factors, layout.T, layout.NT, HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta, RESIDUAL=residual, STORE_P=fused, **common,
                 num_warps=GRAM_WARPS)
         if delta:
             _chunk_wy_kernel[(wy_programs(layout.num_chunks * HV, residual, q.device),)](
@@ -1171,7 +1222,7 @@ class _ChunkRun:
         both = residual_states is not None
         _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
             self.k, v, self.g, self.cumulative_decays(scan=both), strength, W, U0, U, h, initial, final,
-            self.gamma_write, self.P, self.z, self.U_residual, self.h_residual,
+            self.P, self.row_factors, self.chunk_factors, self.z, self.U_residual, self.h_residual,
             *(residual_states if both else (initial, final)), cu_seqlens, chunk_offsets, self.clip, **self.shape,
             BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
             W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both, STORE_Z=store_z, VARLEN=varlen,

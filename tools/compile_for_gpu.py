@@ -36,8 +36,8 @@ INDEX_POINTERS = ("cu_seqlens_ptr", "chunk_seq_ptr", "chunk_offsets_ptr")
 # Pointers to the states, the gates and the fp32 gradient buffers; the others hold inputs or
 # buffers in the input dtype (dq, dk and dv too: GROUP is 1 here).
 FP32_POINTERS = ("S_ptr", "R_ptr", "G_ptr", "state_ptr", "S0_ptr", "R0_ptr", "ends_ptr", "starts_ptr",
-                 "segment_decay_ptr", "chunk_decay_ptr", "g_ptr", "strength_ptr", "residual_strength_ptr", "gamma_ptr",
-                 "dS_ptr", "dR_ptr", "residual_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
+                 "segment_decay_ptr", "chunk_decay_ptr", "row_factors_ptr", "chunk_factors_ptr", "g_ptr",
+                 "strength_ptr", "residual_strength_ptr", "gamma_ptr", "dS_ptr", "dR_ptr", "residual_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
                  "dresidual_strength_ptr", "parts_ptr")
 
 
