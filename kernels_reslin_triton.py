@@ -440,7 +440,7 @@ def _chunk_gram_kernel(k_ptr, g_ptr, strength_ptr, residual_strength_ptr, cu_seq
     strength beta) and, with the residual state, for R (its write strength); with STORE_P (RLA's
     fused pass) the prediction operator P = strictly_lower(e^(G_prev_i - G_j) K K^T), which
     `_pred` reads so that the sequential kernel needs no K K^T in its loop, and the pass's
-    factors of the gates (`_store_pass_factors`)."""
+    factors of the gates (`_load_pass_factors`)."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     fixed = (end, head, HV, GROUP, DK)
@@ -470,38 +470,31 @@ def _chunk_gram_kernel(k_ptr, g_ptr, strength_ptr, residual_strength_ptr, cu_seq
 
 
 @triton.jit
-def _factor_columns(a, b, c, d):
-    """Four per-row factors (equal shapes) side by side, a last axis of four: (a, b, c, d)."""
-    joined = tl.join(tl.join(a, c), tl.join(b, d))  # [..., s, t] holds column 2 s + t
-    return tl.reshape(joined, joined.shape[:-2] + [4])
-
-
-@triton.jit
-def _load_factors(row_factors_ptr, chunk_factors_ptr, chunk, rows, row_ok, head, HV, BC: tl.constexpr):
-    """A chunk's row factors, stored by `_factor_columns` four fp32 a row, as four vectors, and
-    its one chunk factor. A sequential pass needs several per-row gates and decays a chunk: one
-    [BC, 4] load of them, formed before the pass, costs less in its loop than scanning g and
-    loading each gate apart (H200, H16 D128, B2xT8192, session 32: RLA's fused pass 342 -> 306
-    us, with the factors formed by a kernel of its own taking 19 us; 341 -> 239 with no gate
-    loaded at all, wrong, to time; RDN's reverse passes 569 -> 462 with constant decays). Rows
-    past the sequence load 0, where nothing is written."""
-    factors = tl.load(row_factors_ptr + (rows * HV + head)[:, None] * 4 + tl.arange(0, 4)[None, :],
-                      mask=row_ok[:, None], other=0.0)
-    first, second = tl.split(tl.reshape(factors, (BC, 2, 2)))  # columns 0 and 2, 1 and 3
-    a, c = tl.split(first)
-    b, d = tl.split(second)
-    return a, b, c, d, tl.load(chunk_factors_ptr + chunk * HV + head)
-
-
-@triton.jit
 def _store_pass_factors(row_factors_ptr, rows, row_ok, head, HV, G, G_prev, G_last, strength_ptr,
                         residual_strength_ptr):
-    """A block of rows' factors for RLA's fused pass: e^(G_prev) (pred), b, gamma and
-    e^(G_last - G), read by `_load_factors`."""
-    factors = _factor_columns(tl.exp(G_prev), _token_scalars(strength_ptr, rows, row_ok, head, HV),
-                              _token_scalars(residual_strength_ptr, rows, row_ok, head, HV), tl.exp(G_last - G))
-    tl.store(row_factors_ptr + (rows * HV + head)[:, None] * 4 + tl.arange(0, 4)[None, :], factors,
-             mask=row_ok[:, None])
+    """A block of rows' factors for RLA's fused pass (`_load_pass_factors`), four fp32 a row."""
+    offsets = (rows * HV + head) * 4
+    tl.store(row_factors_ptr + offsets, tl.exp(G_prev), mask=row_ok)
+    tl.store(row_factors_ptr + offsets + 1, _token_scalars(strength_ptr, rows, row_ok, head, HV), mask=row_ok)
+    tl.store(row_factors_ptr + offsets + 2, _token_scalars(residual_strength_ptr, rows, row_ok, head, HV),
+             mask=row_ok)
+    tl.store(row_factors_ptr + offsets + 3, tl.exp(G_last - G), mask=row_ok)
+
+
+@triton.jit
+def _load_pass_factors(row_factors_ptr, chunk_factors_ptr, chunk, rows, row_ok, head, HV, BC: tl.constexpr):
+    """What RLA's fused pass needs of a chunk's gates: e^(G_last), and by row e^(G_prev) (pred),
+    b, gamma and e^(G_last - G), the latter four one [BC, 4] load (rows past the sequence 0,
+    where nothing is written). Scanning g and loading b and gamma apart in the loop cost more:
+    H200, H16 D128, B2xT8192 (session 32), the pass 342 -> 306 us formed by a kernel of its own
+    (19 us), 341 -> 239 with no gate loaded at all (wrong, to time)."""
+    factors = tl.load(row_factors_ptr + (rows * HV + head)[:, None] * 4 + tl.arange(0, 4)[None, :],
+                      mask=row_ok[:, None], other=0.0)
+    even, odd = tl.split(tl.reshape(factors, (BC, 2, 2)))  # columns 0 and 2, 1 and 3
+    pred_decay, residual_strength = tl.split(even)
+    strength, to_end = tl.split(odd)
+    decay = tl.load(chunk_factors_ptr + chunk * HV + head)
+    return decay, pred_decay, strength, residual_strength, to_end
 
 
 @triton.jit
@@ -522,29 +515,6 @@ def _chunk_decay_kernel(g_ptr, G_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offse
     offsets = rows[:, None] * HV + heads[None, :]
     ok = (rows < end)[:, None] & (heads < HV)[None, :]
     tl.store(G_ptr + offsets, tl.cumsum(tl.load(g_ptr + offsets, mask=ok, other=0.0).to(tl.float32), axis=0), mask=ok)
-
-
-@_Launcher
-@triton.jit
-def _chunk_reverse_factors_kernel(g_ptr, gamma_ptr, row_factors_ptr, chunk_factors_ptr, cu_seqlens_ptr,
-                                  chunk_seq_ptr, chunk_offsets_ptr, T, NT, HV, BC: tl.constexpr, BH: tl.constexpr,
-                                  GATED: tl.constexpr, VARLEN: tl.constexpr):
-    """A chunk's factors for the reverse passes (`_load_factors`), every head: by row e^G,
-    e^(G_prev), e^(G_last - G) and R's read gate gamma (GATED; else 0, never read), and
-    e^(G_last)."""
-    chunk = tl.program_id(0)
-    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
-    rows, heads = start + tl.arange(0, BC), tl.arange(0, BH)
-    offsets = rows[:, None] * HV + heads[None, :]
-    ok = (rows < end)[:, None] & (heads < HV)[None, :]
-    g = tl.load(g_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
-    G = tl.cumsum(g, axis=0)
-    G_last = tl.sum(g, axis=0)  # padded rows add 0
-    gamma = tl.load(gamma_ptr + offsets, mask=ok, other=0.0).to(tl.float32) if GATED else tl.zeros_like(g)
-    factors = _factor_columns(tl.exp(G), tl.exp(G - g), tl.exp(G_last[None, :] - G), gamma)
-    tl.store(row_factors_ptr + offsets[:, :, None] * 4 + tl.arange(0, 4)[None, None, :], factors,
-             mask=ok[:, :, None])
-    tl.store(chunk_factors_ptr + chunk * HV + heads, tl.exp(G_last), mask=heads < HV)
 
 
 @_Launcher
@@ -639,19 +609,29 @@ def _state_tile(seq_head, kcols, vcols, DK, DV):
 
 
 @triton.jit
-def _chunk_decay(G_ptr, start, rows, row_ok, end, head, HV, BC: tl.constexpr):
-    """A forward state pass's chunk decays G and G_last, G at the chunk's last real row: loads of
-    the G that the WY kernel (delta rule) or the decay kernel (additive rule) stored, so that no
-    scan sits on the loop's chain (rows past the sequence load 0, where every write is 0).
-    RLA's fused pass and the reverse passes load theirs with their gates as factors
-    (`_load_factors`)."""
-    G = _token_scalars(G_ptr, rows, row_ok, head, HV)
-    return G, tl.load(G_ptr + (tl.minimum(start + BC, end) - 1) * HV + head)
+def _chunk_decay(g_ptr, G_ptr, start, rows, row_ok, end, head, HV, BC: tl.constexpr, SCAN: tl.constexpr):
+    """A sequential pass's chunk decays: G, G at the chunk's last real row and (with SCAN) G_prev =
+    G - g. Without SCAN they are loads of the G that the WY kernel (delta rule) or the decay
+    kernel (additive rule) stored, so that no scan sits on the loop's chain (rows past the
+    sequence load 0, where every write is 0). The residual rules' S reverse pass, which reads
+    G_prev (pred), loads g anyway and scans it: loading G there as well was slower (H200, H16
+    D128, session 27: RDN's S reverse pass +50 us at B8xT2048). RLA's fused pass loads its
+    decays with its gates as one tile instead (`_load_pass_factors`)."""
+    if SCAN:
+        g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+        G = tl.cumsum(g, axis=0)
+        G_last = tl.sum(g, axis=0)  # padded rows add 0: the last real token's cumulative decay
+        G_prev = G - g
+    else:
+        G = _token_scalars(G_ptr, rows, row_ok, head, HV)
+        G_last = tl.load(G_ptr + (tl.minimum(start + BC, end) - 1) * HV + head)
+        G_prev = G  # not read: only the passes with SCAN read G_prev
+    return G, G_last, G_prev
 
 
 @_Launcher
 @triton.jit
-def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S0_ptr, S_ptr,
+def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S0_ptr, S_ptr,
                         P_ptr, row_factors_ptr, chunk_factors_ptr, z_ptr, U_residual_ptr, h_residual_ptr, R0_ptr, R_ptr,
                         cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
@@ -664,8 +644,8 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
     run it twice: for S, then for R with its own writes (`_chunk_residual_writes_kernel`) in place
     of V, or of U0 and W. Or, for RLA (BOTH_STATES, additive rule only), S and R together: R's
     writes made from S's chunk-start state as that kernel makes them, kept in registers; R0_ptr
-    and R_ptr as S0_ptr and S_ptr; the gates and decays from the gram kernel's factors
-    (`_store_pass_factors`). Every step is separable by value column, so a program owns the
+    and R_ptr as S0_ptr and S_ptr; the gates and decays from the gram kernel's pass factors
+    (`_load_pass_factors`). Every step is separable by value column, so a program owns the
     same value tile of S and R. With W_FROM_INVERSE W_ptr holds T^-1, and W h = T^-1 diag(b e^G)
     (K h) is formed from it and the chunk's keys."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
@@ -686,12 +666,12 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
         rows = start + r
         row_ok = rows < eos
         if BOTH_STATES:  # K for pred; its transpose for the advance without a second load
-            pred_decay, strength, residual_strength, to_end, decay = _load_factors(
+            decay, pred_decay, strength, residual_strength, to_end = _load_pass_factors(
                 row_factors_ptr, chunk_factors_ptr, chunk, rows, row_ok, head, HV, BC)
             k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
             k_t = tl.trans(k)
         else:
-            G, G_last = _chunk_decay(G_ptr, start, rows, row_ok, eos, head, HV, BC)
+            G, G_last, _ = _chunk_decay(g_ptr, G_ptr, start, rows, row_ok, eos, head, HV, BC, False)
             decay, to_end = tl.exp(G_last), tl.exp(G_last - G)
             k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         if DELTA:
@@ -824,8 +804,7 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
         U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
     else:
         U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
-    residual = _clipped_residual(k, v, h, U, P, tl.exp(G - g), clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT,
-                                 STORE_Z)
+    residual = _clipped_residual(k, v, h, U, P, tl.exp(G - g), clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
     scaled = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
     if DELTA:
         _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV,
@@ -1143,8 +1122,8 @@ class _ChunkRun:
         if (delta or fused) and inverse is None:
             _chunk_gram_kernel[(layout.num_chunks, HV)](
                 k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, self.row_factors,
-                self.chunk_factors, layout.T, layout.NT, HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta,
-                RESIDUAL=residual, STORE_P=fused, **common, num_warps=GRAM_WARPS)
+                self.chunk_factors, layout.T, layout.NT, HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta, RESIDUAL=residual, STORE_P=fused, **common,
+                num_warps=GRAM_WARPS)
         if delta:
             _chunk_wy_kernel[(wy_programs(layout.num_chunks * HV, residual, q.device),)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
@@ -1169,10 +1148,12 @@ class _ChunkRun:
         W_residual = self.X_residual if from_inverse else self.W_residual
         self.R = self.advance(R0, writes, self.gamma_write, W_residual, writes, self.U_residual, self.h_residual)
 
-    def cumulative_decays(self):
-        """The pointer a forward state pass reads G from (`_chunk_decay`): the delta rule's WY
-        kernel stores G; for the additive rule `_chunk_decay_kernel` forms it at the first pass
-        that loads it (its scans and RLA's fused pass never do)."""
+    def cumulative_decays(self, scan):
+        """The pointer a sequential pass reads G from (`_chunk_decay`): the delta rule's WY kernel
+        stores G; for the additive rule `_chunk_decay_kernel` forms it at the first pass that loads
+        it (its scans and RLA's fused pass never do). A pass that scans g itself gets g."""
+        if scan:
+            return self.g
         if self.G is None:
             layout, HV = self.layout, self.shape["HV"]
             self.G = torch.empty_like(self.g, dtype=torch.float32)
@@ -1240,7 +1221,7 @@ class _ChunkRun:
         z stored)."""
         both = residual_states is not None
         _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
-            self.k, v, self.g if both else self.cumulative_decays(), strength, W, U0, U, h, initial, final,
+            self.k, v, self.g, self.cumulative_decays(scan=both), strength, W, U0, U, h, initial, final,
             self.P, self.row_factors, self.chunk_factors, self.z, self.U_residual, self.h_residual,
             *(residual_states if both else (initial, final)), cu_seqlens, chunk_offsets, self.clip, **self.shape,
             BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
@@ -1476,9 +1457,8 @@ def _chunk_local_grad_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, do_ptr, dh_next_ptr
 
 @_Launcher
 @triton.jit
-def _chunk_state_backward_kernel(q_ptr, k_ptr, row_factors_ptr, chunk_factors_ptr, W_ptr, do_ptr, dz_ptr, dS_ptr,
-                                 dh_next_ptr, dU_ptr, cu_seqlens_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP,
-                                 DK, DV,
+def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, G_ptr, gamma_ptr, W_ptr, do_ptr, dz_ptr, dS_ptr, dh_next_ptr,
+                                 dU_ptr, cu_seqlens_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV,
                                  BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                                  DELTA: tl.constexpr, GATED_READ: tl.constexpr, PRED: tl.constexpr,
                                  WHOLE_DU: tl.constexpr, VARLEN: tl.constexpr):
@@ -1488,8 +1468,7 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, row_factors_ptr, chunk_factors_pt
     `_chunk_residual_grad_kernel`) and the whole dU on exit; without (the additive rule, whose dh
     never reads dU), a later kernel adds dU's state part (`chunk_backward` says which). R's
     pass reads gamma dO (GATED_READ); S's pass of the residual rules (PRED) adds pred's reading of
-    the chunk-start state, -(e^(G_prev) K)^T dz. The decays and gamma come as factors
-    (`_chunk_reverse_factors_kernel`)."""
+    the chunk-start state, -(e^(G_prev) K)^T dz."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, first_chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -1505,17 +1484,17 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, row_factors_ptr, chunk_factors_pt
                  dh.to(dh_next_ptr.dtype.element_ty), mask=tile_ok)
         rows = bos + index * BC + r
         row_ok = rows < eos
-        read_decay, pred_decay, to_end, gamma, decay = _load_factors(row_factors_ptr, chunk_factors_ptr,
-                                                                     first_chunk + index, rows, row_ok, head, HV, BC)
+        G, G_last, G_prev = _chunk_decay(g_ptr, G_ptr, bos + index * BC, rows, row_ok, eos, head, HV, BC, PRED)
         do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
         if GATED_READ:
-            do = gamma[:, None] * do
+            do = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
         if WHOLE_DU:
             k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-            dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) + to_end[:, None] * _mm(k, dh, DT)
+            dU = _load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV) + \
+                tl.exp(G_last - G)[:, None] * _mm(k, dh, DT)
             _store_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV, dU)
         q_t = _load_columns(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-        dh = decay * dh + scale * _mm(q_t, read_decay[:, None] * do, DT)
+        dh = tl.exp(G_last) * dh + scale * _mm(q_t, tl.exp(G)[:, None] * do, DT)
         if PRED:
             dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
             # K is loaded already: its transpose, not a second load (shared memory 189 -> 156 KB;
@@ -1524,7 +1503,7 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, row_factors_ptr, chunk_factors_pt
                 k_t = tl.trans(k)
             else:
                 k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
-            dh -= _mm(k_t, pred_decay[:, None] * dz, DT)
+            dh -= _mm(k_t, tl.exp(G_prev)[:, None] * dz, DT)
         if DELTA:
             dh -= _mm(_load_columns(W_ptr, rows, row_ok, head, HV, kcols, DK), dU, DT)
     tl.store(dS_ptr + state_offsets, dh, mask=tile_ok)
@@ -1920,14 +1899,10 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         local_grad()
 
     reverse_tile = run.state_tile(reverse=True)
-    row_factors, chunk_factors = torch.empty(L, HV, 4, **f32), torch.empty(layout.num_chunks, HV, **f32)
-    _chunk_reverse_factors_kernel[(layout.num_chunks,)](
-        run.g, read_gate, row_factors, chunk_factors, *run.tables, layout.T, layout.NT, HV, BC=chunk_size,
-        BH=_next_power_of_2(HV), GATED=residual, VARLEN=layout.varlen)
 
     def reverse_pass(dstates, dh_next, dU, W, gated_read, pred):
         _chunk_state_backward_kernel[(_cdiv(Dv, reverse_tile), layout.num_sequences * HV)](
-            run.q, run.k, row_factors, chunk_factors, W, do, dz, dstates, dh_next, dU,
+            run.q, run.k, run.g, run.cumulative_decays(scan=pred), read_gate, W, do, dz, dstates, dh_next, dU,
             layout.cu_seqlens, layout.chunk_offsets, scale, **run.shape, BV=reverse_tile, BC=chunk_size, BK=run.BK,
             DT=run.DT, DELTA=run.delta, GATED_READ=gated_read, PRED=pred, WHOLE_DU=not state_part_after,
             VARLEN=layout.varlen, num_warps=run.warps, num_stages=run.backward_stages)
