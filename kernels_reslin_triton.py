@@ -432,15 +432,13 @@ def _store_inverse(M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, strength_pt
 @_Launcher
 @triton.jit
 def _chunk_gram_kernel(k_ptr, g_ptr, strength_ptr, residual_strength_ptr, cu_seqlens_ptr, chunk_seq_ptr,
-                       chunk_offsets_ptr, X_ptr, X_residual_ptr, P_ptr, row_factors_ptr, chunk_factors_ptr, T, NT,
-                       HV, GROUP, DK, BC: tl.constexpr,
+                       chunk_offsets_ptr, X_ptr, X_residual_ptr, P_ptr, T, NT, HV, GROUP, DK, BC: tl.constexpr,
                        BLOCK: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
                        RESIDUAL: tl.constexpr, STORE_P: tl.constexpr, VARLEN: tl.constexpr):
     """What a chunk's K K^T gives, by 16 x 16 blocks: for the delta rule T^-1 for S (write
     strength beta) and, with the residual state, for R (its write strength); with STORE_P (RLA's
     fused pass) the prediction operator P = strictly_lower(e^(G_prev_i - G_j) K K^T), which
-    `_pred` reads so that the sequential kernel needs no K K^T in its loop, and the pass's
-    factors of the gates (`_load_pass_factors`)."""
+    `_pred` reads so that the sequential kernel needs no K K^T in its loop."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     fixed = (end, head, HV, GROUP, DK)
@@ -456,45 +454,11 @@ def _chunk_gram_kernel(k_ptr, g_ptr, strength_ptr, residual_strength_ptr, cu_seq
     blocks = (rows0, ok0, rows1, ok1, rows2, ok2, rows3, ok3, head, HV)
     if STORE_P:
         _store_lower(*_decayed_blocks(*gram, Gp0, Gp1, Gp2, Gp3, G0, G1, G2, G3, BLOCK), P_ptr, *blocks, BC, BLOCK)
-        gates = (strength_ptr, residual_strength_ptr)
-        _store_pass_factors(row_factors_ptr, rows0, ok0, head, HV, G0, Gp0, G_end, *gates)
-        _store_pass_factors(row_factors_ptr, rows1, ok1, head, HV, G1, Gp1, G_end, *gates)
-        _store_pass_factors(row_factors_ptr, rows2, ok2, head, HV, G2, Gp2, G_end, *gates)
-        _store_pass_factors(row_factors_ptr, rows3, ok3, head, HV, G3, Gp3, G_end, *gates)
-        tl.store(chunk_factors_ptr + chunk * HV + head, tl.exp(G_end))
     if DELTA:
         A = _decayed_blocks(*gram, G0, G1, G2, G3, G0, G1, G2, G3, BLOCK)
         _store_inverse(*A, strength_ptr, X_ptr, *blocks, BC, BLOCK, DT)
         if RESIDUAL:
             _store_inverse(*A, residual_strength_ptr, X_residual_ptr, *blocks, BC, BLOCK, DT)
-
-
-@triton.jit
-def _store_pass_factors(row_factors_ptr, rows, row_ok, head, HV, G, G_prev, G_last, strength_ptr,
-                        residual_strength_ptr):
-    """A block of rows' factors for RLA's fused pass (`_load_pass_factors`), four fp32 a row."""
-    offsets = (rows * HV + head) * 4
-    tl.store(row_factors_ptr + offsets, tl.exp(G_prev), mask=row_ok)
-    tl.store(row_factors_ptr + offsets + 1, _token_scalars(strength_ptr, rows, row_ok, head, HV), mask=row_ok)
-    tl.store(row_factors_ptr + offsets + 2, _token_scalars(residual_strength_ptr, rows, row_ok, head, HV),
-             mask=row_ok)
-    tl.store(row_factors_ptr + offsets + 3, tl.exp(G_last - G), mask=row_ok)
-
-
-@triton.jit
-def _load_pass_factors(row_factors_ptr, chunk_factors_ptr, chunk, rows, row_ok, head, HV, BC: tl.constexpr):
-    """What RLA's fused pass needs of a chunk's gates: e^(G_last), and by row e^(G_prev) (pred),
-    b, gamma and e^(G_last - G), the latter four one [BC, 4] load (rows past the sequence 0,
-    where nothing is written). Scanning g and loading b and gamma apart in the loop cost more:
-    H200, H16 D128, B2xT8192 (session 32), the pass 342 -> 306 us formed by a kernel of its own
-    (19 us), 341 -> 239 with no gate loaded at all (wrong, to time)."""
-    factors = tl.load(row_factors_ptr + (rows * HV + head)[:, None] * 4 + tl.arange(0, 4)[None, :],
-                      mask=row_ok[:, None], other=0.0)
-    even, odd = tl.split(tl.reshape(factors, (BC, 2, 2)))  # columns 0 and 2, 1 and 3
-    pred_decay, residual_strength = tl.split(even)
-    strength, to_end = tl.split(odd)
-    decay = tl.load(chunk_factors_ptr + chunk * HV + head)
-    return decay, pred_decay, strength, residual_strength, to_end
 
 
 @triton.jit
@@ -515,6 +479,52 @@ def _chunk_decay_kernel(g_ptr, G_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offse
     offsets = rows[:, None] * HV + heads[None, :]
     ok = (rows < end)[:, None] & (heads < HV)[None, :]
     tl.store(G_ptr + offsets, tl.cumsum(tl.load(g_ptr + offsets, mask=ok, other=0.0).to(tl.float32), axis=0), mask=ok)
+
+
+@triton.jit
+def _factor_columns(a, b, c, d):
+    """Four per-row factors of equal shapes side by side, on a last axis of four: (a, b, c, d)."""
+    joined = tl.join(tl.join(a, c), tl.join(b, d))  # [..., s, t] holds column 2 s + t
+    return tl.reshape(joined, joined.shape[:-2] + [4])
+
+
+@_Launcher
+@triton.jit
+def _chunk_pass_factors_kernel(g_ptr, strength_ptr, residual_strength_ptr, row_factors_ptr, chunk_factors_ptr,
+                               cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, HV, BC: tl.constexpr,
+                               BH: tl.constexpr, VARLEN: tl.constexpr):
+    """A chunk's factors for RLA's fused pass (`_load_pass_factors`), every head at once: by row
+    e^(G_prev), b, gamma and e^(G_last - G), and e^(G_last)."""
+    chunk = tl.program_id(0)
+    start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
+    rows, heads = start + tl.arange(0, BC), tl.arange(0, BH)
+    offsets = rows[:, None] * HV + heads[None, :]
+    ok = (rows < end)[:, None] & (heads < HV)[None, :]
+    g = tl.load(g_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    G = tl.cumsum(g, axis=0)
+    G_last = tl.sum(g, axis=0)  # padded rows add 0
+    factors = _factor_columns(tl.exp(G - g), tl.load(strength_ptr + offsets, mask=ok, other=0.0).to(tl.float32),
+                              tl.load(residual_strength_ptr + offsets, mask=ok, other=0.0).to(tl.float32),
+                              tl.exp(G_last[None, :] - G))
+    tl.store(row_factors_ptr + offsets[:, :, None] * 4 + tl.arange(0, 4)[None, None, :], factors,
+             mask=ok[:, :, None])
+    tl.store(chunk_factors_ptr + chunk * HV + heads, tl.exp(G_last), mask=heads < HV)
+
+
+@triton.jit
+def _load_pass_factors(row_factors_ptr, chunk_factors_ptr, chunk, rows, row_ok, head, HV, BC: tl.constexpr):
+    """What RLA's fused pass needs of a chunk's gates: e^(G_last), and by row e^(G_prev) (pred),
+    b, gamma and e^(G_last - G), the latter four one [BC, 4] load (rows past the sequence 0,
+    where nothing is written). Scanning g and loading b and gamma apart in the loop cost more
+    (H200, H16 D128, B2xT8192, session 32: the pass 342 -> 306 us; 341 -> 239 with no gate
+    loaded at all, wrong, to time). The same factors in the reverse passes (e^G for e^(G_prev)
+    and R's gamma for b) lost there (RDN's two 570 -> 598 us, sGLA's 112 -> 155)."""
+    factors = tl.load(row_factors_ptr + (rows * HV + head)[:, None] * 4 + tl.arange(0, 4)[None, :],
+                      mask=row_ok[:, None], other=0.0)
+    first, second = tl.split(tl.reshape(factors, (BC, 2, 2)))  # columns 0 and 2, 1 and 3
+    pred_decay, residual_strength = tl.split(first)
+    strength, to_end = tl.split(second)
+    return tl.load(chunk_factors_ptr + chunk * HV + head), pred_decay, strength, residual_strength, to_end
 
 
 @_Launcher
@@ -644,10 +654,10 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr,
     run it twice: for S, then for R with its own writes (`_chunk_residual_writes_kernel`) in place
     of V, or of U0 and W. Or, for RLA (BOTH_STATES, additive rule only), S and R together: R's
     writes made from S's chunk-start state as that kernel makes them, kept in registers; R0_ptr
-    and R_ptr as S0_ptr and S_ptr; the gates and decays from the gram kernel's pass factors
-    (`_load_pass_factors`). Every step is separable by value column, so a program owns the
-    same value tile of S and R. With W_FROM_INVERSE W_ptr holds T^-1, and W h = T^-1 diag(b e^G)
-    (K h) is formed from it and the chunk's keys."""
+    and R_ptr as S0_ptr and S_ptr; the gates and decays as factors (`_chunk_pass_factors_kernel`).
+    Every step is separable by value column, so a program owns the same value tile of S and R.
+    With W_FROM_INVERSE W_ptr holds T^-1, and W h = T^-1 diag(b e^G) (K h) is formed from it and
+    the chunk's keys."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -804,7 +814,8 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
         U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
     else:
         U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
-    residual = _clipped_residual(k, v, h, U, P, tl.exp(G - g), clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT, STORE_Z)
+    residual = _clipped_residual(k, v, h, U, P, tl.exp(G - g), clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT,
+                                 STORE_Z)
     scaled = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
     if DELTA:
         _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV,
@@ -1112,17 +1123,14 @@ class _ChunkRun:
                 if residual:
                     self.W_residual = empty(L, HV, Dk)
         fused = residual and self.fuse_residual_passes()
-        # The writes kernel forms P itself, stored only for the backward; RLA's fused pass reads P,
-        # and its gates' factors (`_load_pass_factors`), from the gram kernel.
+        # The writes kernel forms P itself, stored only for the backward; RLA's fused pass reads P
+        # from the gram kernel.
         if residual and (fused or store_z):
             self.P = empty(L, HV, chunk_size)
-        if fused:
-            factors = functools.partial(torch.empty, device=q.device, dtype=torch.float32)
-            self.row_factors, self.chunk_factors = factors(L, HV, 4), factors(layout.num_chunks, HV)
         if (delta or fused) and inverse is None:
             _chunk_gram_kernel[(layout.num_chunks, HV)](
-                k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, self.row_factors,
-                self.chunk_factors, layout.T, layout.NT, HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta, RESIDUAL=residual, STORE_P=fused, **common,
+                k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, layout.T, layout.NT,
+                HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta, RESIDUAL=residual, STORE_P=fused, **common,
                 num_warps=GRAM_WARPS)
         if delta:
             _chunk_wy_kernel[(wy_programs(layout.num_chunks * HV, residual, q.device),)](
@@ -1191,7 +1199,12 @@ class _ChunkRun:
 
     def advance_both(self, S0, R0, store_z):
         """RLA's S and R passes in one from S0 and R0. Returns the final S and R."""
-        layout = self.layout
+        layout, HV = self.layout, self.shape["HV"]
+        factors = functools.partial(torch.empty, device=S0.device, dtype=torch.float32)
+        self.row_factors, self.chunk_factors = factors(self.g.shape[0], HV, 4), factors(layout.num_chunks, HV)
+        _chunk_pass_factors_kernel[(layout.num_chunks,)](
+            self.g, self.beta, self.gamma_write, self.row_factors, self.chunk_factors, *self.tables, layout.T,
+            layout.NT, HV, BC=self.chunk_size, BH=_next_power_of_2(HV), VARLEN=layout.varlen)
         S, R = (_fresh_state(x) for x in (S0, R0))
         self.state_pass(S0.contiguous(), S, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences,
                         layout.varlen, self.v, self.beta, self.W, self.v, self.U, self.h,

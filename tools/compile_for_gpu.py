@@ -37,8 +37,8 @@ INDEX_POINTERS = ("cu_seqlens_ptr", "chunk_seq_ptr", "chunk_offsets_ptr")
 # buffers in the input dtype (dq, dk and dv too: GROUP is 1 here).
 FP32_POINTERS = ("S_ptr", "R_ptr", "G_ptr", "state_ptr", "S0_ptr", "R0_ptr", "ends_ptr", "starts_ptr",
                  "segment_decay_ptr", "chunk_decay_ptr", "row_factors_ptr", "chunk_factors_ptr", "g_ptr",
-                 "strength_ptr", "residual_strength_ptr", "gamma_ptr", "dS_ptr", "dR_ptr", "residual_ptr", "dg_ptr", "dstrength_ptr", "dgamma_ptr",
-                 "dresidual_strength_ptr", "parts_ptr")
+                 "strength_ptr", "residual_strength_ptr", "gamma_ptr", "dS_ptr", "dR_ptr", "residual_ptr", "dg_ptr",
+                 "dstrength_ptr", "dgamma_ptr", "dresidual_strength_ptr", "parts_ptr")
 
 
 def launches(BK, BV_full, delta, residual, fp32):
@@ -72,6 +72,8 @@ def launches(BK, BV_full, delta, residual, fp32):
            warps, stages) for store_z in (False, True)],
         # The cumulative log decay that the additive rule's sequential passes load.
         (kernels._chunk_decay_kernel, dict(BC=64, BH=16), 4, 1),
+        # RLA's fused pass's factors of its gates and decays.
+        (kernels._chunk_pass_factors_kernel, dict(BC=64, BH=16), 4, 1),
         # The additive rule's passes below 32 sequence-heads: every chunk's writes, then the scan.
         (kernels._chunk_local_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_scan_kernel, dict(BC=64, CHUNKS=kernels.SCAN_CHUNKS, BLOCK=kernels.SCAN_BLOCK),
