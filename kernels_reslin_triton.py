@@ -1159,7 +1159,8 @@ class _ChunkRun:
     def cumulative_decays(self, scan):
         """The pointer a sequential pass reads G from (`_chunk_decay`): the delta rule's WY kernel
         stores G; for the additive rule `_chunk_decay_kernel` forms it at the first pass that loads
-        it (its scans and RLA's fused pass never do). A pass that scans g itself gets g."""
+        it (its scans and RLA's fused pass never do). A pass that scans g itself (the residual
+        rules' S reverse pass) gets g."""
         if scan:
             return self.g
         if self.G is None:
@@ -1233,8 +1234,9 @@ class _ChunkRun:
         final states), RLA's R advanced with S in the same pass (h_R, R's writes and, with store_z,
         z stored)."""
         both = residual_states is not None
+        G = self.g if both else self.cumulative_decays(scan=False)  # RLA's fused pass reads its factors
         _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
-            self.k, v, self.g, self.cumulative_decays(scan=both), strength, W, U0, U, h, initial, final,
+            self.k, v, self.g, G, strength, W, U0, U, h, initial, final,
             self.P, self.row_factors, self.chunk_factors, self.z, self.U_residual, self.h_residual,
             *(residual_states if both else (initial, final)), cu_seqlens, chunk_offsets, self.clip, **self.shape,
             BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,

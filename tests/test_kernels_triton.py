@@ -293,11 +293,12 @@ def test_delta_rule_backward_takes_the_forwards_inverse(name, update, residual, 
 
 
 @pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "two_passes"])
-@pytest.mark.parametrize("case", GRAD_CASES[:2], ids=["batch", "varlen"])
+@pytest.mark.parametrize("case", GRAD_CASES[:2] + [(1, 70, 1, 3, 16, 16, None)], ids=["batch", "varlen", "3_heads"])
 def test_residual_additive_states_in_one_pass_or_two_match_reference(case, one_pass, monkeypatch):
     """RLA's S and R advance in one kernel over few (sequence, head) pairs, in two passes and the
     writes kernel between them over many (`_ChunkRun.fuse_residual_passes`): each way forced here,
-    outputs, final states and every gradient against the reference, relative error <= 1e-5 in fp32."""
+    outputs, final states and every gradient against the reference, relative error <= 1e-5 in fp32.
+    Three value heads: the fused pass's factors are formed for a power of two of heads, masked."""
     fused = []
     for module in kernels_modules():
         monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: one_pass)
