@@ -516,9 +516,9 @@ def _load_pass_factors(row_factors_ptr, chunk_factors_ptr, chunk, rows, row_ok, 
     """What RLA's fused pass needs of a chunk's gates: e^(G_last), and by row e^(G_prev) (pred),
     b, gamma and e^(G_last - G), the latter four one [BC, 4] load (rows past the sequence 0,
     where nothing is written). Scanning g and loading b and gamma apart in the loop cost more
-    (H200, H16 D128, B2xT8192, session 32: the pass 342 -> 306 us; 341 -> 239 with no gate
-    loaded at all, wrong, to time). The same factors in the reverse passes (e^G for e^(G_prev)
-    and R's gamma for b) lost there (RDN's two 570 -> 598 us, sGLA's 112 -> 155)."""
+    (H200, H16 D128, B2xT8192, session 32: the pass 343 -> 289 us, the factors' kernel 7; 341 ->
+    239 with no gate loaded at all, wrong, to time). The same factors in the reverse passes (e^G
+    for e^(G_prev) and R's gamma for b) lost there (RDN's two 570 -> 598 us, sGLA's 112 -> 155)."""
     factors = tl.load(row_factors_ptr + (rows * HV + head)[:, None] * 4 + tl.arange(0, 4)[None, :],
                       mask=row_ok[:, None], other=0.0)
     first, second = tl.split(tl.reshape(factors, (BC, 2, 2)))  # columns 0 and 2, 1 and 3
@@ -619,29 +619,27 @@ def _state_tile(seq_head, kcols, vcols, DK, DV):
 
 
 @triton.jit
-def _chunk_decay(g_ptr, G_ptr, start, rows, row_ok, end, head, HV, BC: tl.constexpr, SCAN: tl.constexpr):
-    """A sequential pass's chunk decays: G, G at the chunk's last real row and (with SCAN) G_prev =
-    G - g. Without SCAN they are loads of the G that the WY kernel (delta rule) or the decay
-    kernel (additive rule) stored, so that no scan sits on the loop's chain (rows past the
-    sequence load 0, where every write is 0). The residual rules' S reverse pass, which reads
-    G_prev (pred), loads g anyway and scans it: loading G there as well was slower (H200, H16
-    D128, session 27: RDN's S reverse pass +50 us at B8xT2048). RLA's fused pass loads its
-    decays with its gates as one tile instead (`_load_pass_factors`)."""
-    if SCAN:
-        g = _token_scalars(g_ptr, rows, row_ok, head, HV)
-        G = tl.cumsum(g, axis=0)
-        G_last = tl.sum(g, axis=0)  # padded rows add 0: the last real token's cumulative decay
-        G_prev = G - g
-    else:
-        G = _token_scalars(G_ptr, rows, row_ok, head, HV)
-        G_last = tl.load(G_ptr + (tl.minimum(start + BC, end) - 1) * HV + head)
-        G_prev = G  # not read: only the passes with SCAN read G_prev
-    return G, G_last, G_prev
+def _chunk_decay(G_ptr, start, rows, row_ok, end, head, HV, BC: tl.constexpr):
+    """A sequential pass's chunk decays, G and G at the chunk's last real row: loads of the G that
+    the WY kernel (delta rule) or the decay kernel (additive rule) stored, so that no scan sits
+    on the loop's chain (rows past the sequence load 0, where every write is 0). RLA's fused
+    pass loads its decays with its gates as one tile instead (`_load_pass_factors`)."""
+    return _token_scalars(G_ptr, rows, row_ok, head, HV), tl.load(G_ptr + (tl.minimum(start + BC, end) - 1) * HV + head)
+
+
+@triton.jit
+def _scanned_chunk_decay(g_ptr, rows, row_ok, head, HV):
+    """G, G_last and G_prev = G - g scanned from g: the residual rules' S reverse pass reads
+    G_prev (pred) and loads g anyway; loading G there as well was slower (H200, H16 D128,
+    session 27: RDN's S reverse pass +50 us at B8xT2048)."""
+    g = _token_scalars(g_ptr, rows, row_ok, head, HV)
+    G = tl.cumsum(g, axis=0)
+    return G, tl.sum(g, axis=0), G - g  # padded rows add 0: G_last is the last real token's G
 
 
 @_Launcher
 @triton.jit
-def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S0_ptr, S_ptr,
+def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S0_ptr, S_ptr,
                         P_ptr, row_factors_ptr, chunk_factors_ptr, z_ptr, U_residual_ptr, h_residual_ptr, R0_ptr, R_ptr,
                         cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
@@ -681,7 +679,7 @@ def _chunk_state_kernel(k_ptr, v_ptr, g_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr,
             k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
             k_t = tl.trans(k)
         else:
-            G, G_last, _ = _chunk_decay(g_ptr, G_ptr, start, rows, row_ok, eos, head, HV, BC, False)
+            G, G_last = _chunk_decay(G_ptr, start, rows, row_ok, eos, head, HV, BC)
             decay, to_end = tl.exp(G_last), tl.exp(G_last - G)
             k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         if DELTA:
@@ -1236,7 +1234,7 @@ class _ChunkRun:
         both = residual_states is not None
         G = self.g if both else self.cumulative_decays(scan=False)  # RLA's fused pass reads its factors
         _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
-            self.k, v, self.g, G, strength, W, U0, U, h, initial, final,
+            self.k, v, G, strength, W, U0, U, h, initial, final,
             self.P, self.row_factors, self.chunk_factors, self.z, self.U_residual, self.h_residual,
             *(residual_states if both else (initial, final)), cu_seqlens, chunk_offsets, self.clip, **self.shape,
             BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
@@ -1499,7 +1497,10 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, G_ptr, gamma_ptr, W_ptr, d
                  dh.to(dh_next_ptr.dtype.element_ty), mask=tile_ok)
         rows = bos + index * BC + r
         row_ok = rows < eos
-        G, G_last, G_prev = _chunk_decay(g_ptr, G_ptr, bos + index * BC, rows, row_ok, eos, head, HV, BC, PRED)
+        if PRED:
+            G, G_last, G_prev = _scanned_chunk_decay(g_ptr, rows, row_ok, head, HV)
+        else:
+            G, G_last = _chunk_decay(G_ptr, bos + index * BC, rows, row_ok, eos, head, HV, BC)
         do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
         if GATED_READ:
             do = _token_scalars(gamma_ptr, rows, row_ok, head, HV)[:, None] * do
