@@ -18,7 +18,7 @@ def test_check_tells_a_changed_kernel_from_a_copy(tmp_path, capsys):
 
     kernels = REPO / "kernels_reslin_triton.py"
     source = kernels.read_text()
-    wrong = source.replace("return tl.exp(G_last) * S + _added(", "return 0.5 * tl.exp(G_last) * S + _added(")
+    wrong = source.replace("return decay * S + _added(", "return 0.5 * decay * S + _added(")
     assert wrong != source
     (tmp_path / "same.py").write_text(source)
     (tmp_path / "wrong.py").write_text(wrong)
