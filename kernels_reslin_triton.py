@@ -988,20 +988,25 @@ def pipeline_stages(fp32, BK):
     return 3, 3
 
 
-def grad_keys_launches(delta, residual, BV_full):
-    """(side, num_warps, num_stages, value tile) of each launch of `_chunk_grad_keys_kernel`,
-    timed on the H200 (H8 D128, against 8 warps, 2 stages, tiles of 64). Session 9: sGLA, with
-    the fewest accumulators, ran 301 -> 211 us on 4 warps (gdn lost: 378 -> 388); gdn gained from
-    3 stages (378 -> 358). Session 10, over value tiles of 32 with 3 stages: sGLA 210 -> 182; gdn
-    lost from tiles of 32 (360 -> 381). The residual rules run two sides of about half the
-    accumulators each, on 4 warps: two programs a SM (sm_90, bf16 D128: the queries' side 253
-    registers, no spills, 76 KB of shared memory; the keys' side RLA's 255 and none, 70 KB,
-    RDN's 255 and 544 B spilled, 102 KB), where the whole kernel on 8 warps (255 registers) runs
-    one. Session 23, H16, B8xT2048 / B2xT8192: RLA 1,085 -> 843 / 1,086 -> 840 us, RDN 1,353 ->
-    1,134 / 1,353 -> 1,135; the keys' side on 8 warps lost (RDN 1,430)."""
+def grad_keys_launches(delta, residual, BV_full, fp32):
+    """(key tile, launches) of `_chunk_grad_keys_kernel`: the columns of K a program takes, and
+    (side, num_warps, num_stages, value tile) of each launch, timed on the H200 (H8 D128, against
+    8 warps, 2 stages, tiles of 64). Session 9: sGLA, with the fewest accumulators, ran 301 -> 211
+    us on 4 warps (gdn lost: 378 -> 388); gdn gained from 3 stages (378 -> 358). Session 10, over
+    value tiles of 32 with 3 stages: sGLA 210 -> 182; gdn lost from tiles of 32 (360 -> 381).
+    The residual rules run two sides of about half the accumulators each, on 4 warps: two
+    programs a SM (sm_90, bf16 D128: the queries' side 253 registers, no spills, 76 KB of shared
+    memory; the keys' side RLA's 255 and none, 70 KB, RDN's 255 and 544 B spilled, 102 KB), where
+    the whole kernel on 8 warps (255 registers) runs one. Session 23, H16, B8xT2048 / B2xT8192:
+    RLA 1,085 -> 843 / 1,086 -> 840 us, RDN 1,353 -> 1,134 / 1,353 -> 1,135; the keys' side on 8
+    warps lost (RDN 1,430). Key tiles of 128 (session 34, H16, B2xT8192 / B8xT2048): the delta
+    rule without R 676 -> 462 / 680 -> 462 us (its 8 warps had too little work a program at 64,
+    and a chunk's dO U^T is formed once); sGLA lost (331 -> 367 on 8 warps), and so did the
+    residual rules, whole (RDN 1,136 -> 1,678, spilling 1.3 KB) or on the queries' side alone
+    (1,136 -> 1,175). In fp32 the delta rule's tiles of 128 need 320 KB of shared memory: 64."""
     if not residual:
-        return [(0, 4, 3, min(BV_full, 32))] if not delta else [(0, 8, 3, min(BV_full, 64))]
-    return [(1, 4, 3, min(BV_full, 32)), (2, 4, 3, min(BV_full, 32))]
+        return (64 if fp32 else 128, [(0, 8, 3, min(BV_full, 64))]) if delta else (64, [(0, 4, 3, min(BV_full, 32))])
+    return 64, [(1, 4, 3, min(BV_full, 32)), (2, 4, 3, min(BV_full, 32))]
 
 
 def output_tile(BK, BV_full):
@@ -1011,6 +1016,14 @@ def output_tile(BK, BV_full):
     at B8xT2048, 284 -> 246 at B1xT32768). Untimed, so not yet: D256 (whose tiles of 128 need 213
     KB of shared memory with the residual state)."""
     return min(BV_full, 128 if BK <= 128 else 64)
+
+
+def local_grad_tile(delta, residual, BV_full):
+    """Value columns a program of `_chunk_local_grad_kernel` takes; each forms its chunk's Q K^T.
+    Whole rows of 128 (once a chunk) against tiles of 64 (H200, H16 D128, B2xT8192 / B8xT2048,
+    session 34): rla's kernel 209 -> 166 / 212 -> 171 us, the backward call of rdn -15 / -23 us
+    and of gdn -20 / -19 us; sGLA's kernel lost (118 -> 129), and 8 warps lost for every rule."""
+    return min(BV_full, 128 if delta or residual else 64)
 
 
 # num_warps of `_chunk_grad_values_kernel`: on 4 instead of 8 (H200, H8 D128, session 10) gdn's
@@ -1907,9 +1920,11 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     state_part_after = not run.delta
 
     def local_grad():
-        _chunk_local_grad_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
+        local_tile = local_grad_tile(run.delta, residual, run.BV_full)
+        _chunk_local_grad_kernel[(_cdiv(Dv, local_tile), layout.num_chunks, HV)](
             run.q, run.k, run.g, read_gate, do, dh_next_residual if residual else dh_next, dU, dU_residual,
-            *run.tables, scale, **run.shape, BV=BV, **common, STATE_PART=state_part_after, num_warps=run.warps)
+            *run.tables, scale, **run.shape, BV=local_tile, **common, STATE_PART=state_part_after,
+            num_warps=run.warps)
 
     if not state_part_after:
         local_grad()
@@ -1941,12 +1956,13 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     dg, dbeta = torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)
     dgamma, dgamma_write = (torch.empty(L, HV, **f32), torch.empty(L, HV, **f32)) if residual else (dg, dg)
     # The key tiles' programs: dq, and dk but for X's part (which the values' kernel adds).
-    key_tile = min(run.BK, 64)
+    key_tile, keys_launches = grad_keys_launches(run.delta, residual, run.BV_full, q.dtype == torch.float32)
+    key_tile = min(run.BK, key_tile)
     key_tiles = _cdiv(Dk, key_tile)
     parts = torch.empty(key_tiles, L, HV, 5, **f32)
     dX_parts = torch.empty(key_tiles, 2, L, HV, chunk_size, **low) if run.delta else parts
     dk_keys = torch.empty(L, HV, Dk, **key_grad) if run.delta else dk
-    for side, keys_warps, keys_stages, keys_value_tile in grad_keys_launches(run.delta, residual, run.BV_full):
+    for side, keys_warps, keys_stages, keys_value_tile in keys_launches:
         _chunk_grad_keys_kernel[(key_tiles, layout.num_chunks, HV)](
             run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
             do, dh_next, dU, dh_next_residual, dU_residual, dz, dq, dk_keys, parts, dX_parts, *run.tables, scale,

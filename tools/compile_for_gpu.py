@@ -48,6 +48,7 @@ def launches(BK, BV_full, delta, residual, fp32):
     reverse_tile = min(BV_full, 32 if delta else 64)  # `_ChunkRun.state_tile(reverse=True)` from 128 sequence-heads
     stages, backward_stages = kernels.pipeline_stages(fp32, BK)
     long_writes_tile, long_writes_warps = kernels.writes_launch(kernels.LONG_CHUNK_SIZE, BV_full, warps)
+    key_tile, keys_launches = kernels.grad_keys_launches(delta, residual, BV_full, fp32)
     return [
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK, STORE_P=residual and not delta), kernels.GRAM_WARPS,
          3),
@@ -93,17 +94,17 @@ def launches(BK, BV_full, delta, residual, fp32):
                                                 BLOCK=kernels.SCAN_BLOCK), kernels.SCAN_WARPS, 3),
         (kernels._chunk_residual_writes_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=long_writes_tile,
                                                      ADDS_TO_STATE=True, STORE_Z=False), long_writes_warps, stages),
-        (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), STATE_PART=not delta),
-         warps, 3),
+        (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=kernels.local_grad_tile(delta, residual, BV_full),
+                                                 STATE_PART=not delta), warps, 3),
         # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz.
         *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=reverse_tile, GATED_READ=gated, PRED=pred,
                                                        WHOLE_DU=delta),
            warps, backward_stages) for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
         (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
-        *[(kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, 64), BV=value_tile, SIDE=side), keys_warps,
-           keys_stages) for side, keys_warps, keys_stages, value_tile in kernels.grad_keys_launches(delta, residual,
-                                                                                                  BV_full)],
-        *[(kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), KEY_TILES=max(1, BK // 64),
+        *[(kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, key_tile), BV=value_tile, SIDE=side), keys_warps,
+           keys_stages) for side, keys_warps, keys_stages, value_tile in keys_launches],
+        *[(kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64),
+                                                    KEY_TILES=max(1, BK // key_tile),
                                                     STATE_PART=residual and not delta, SIDE=side),
            kernels.GRAD_VALUES_WARPS, 2) for side in kernels.grad_values_sides(delta, residual)],
     ]
