@@ -1003,10 +1003,13 @@ def grad_keys_launches(delta, residual, BV_full, fp32):
     rule without R 676 -> 462 / 680 -> 462 us (its 8 warps had too little work a program at 64,
     and a chunk's dO U^T is formed once); sGLA lost (331 -> 367 on 8 warps), and so did the
     residual rules, whole (RDN 1,136 -> 1,678, spilling 1.3 KB) or on the queries' side alone
-    (1,136 -> 1,175). In fp32 the delta rule's tiles of 128 need 320 KB of shared memory: 64."""
+    (1,136 -> 1,175). In fp32 the delta rule's tiles of 128 need 320 KB of shared memory: 64.
+    RDN's keys' side split by state (SIDE 3 then 4; session 34): 1,135 -> 1,106 us at both
+    shapes (S's side spills 148 B where the whole keys' side spilled 544); RLA's lost (839 -> 864)."""
     if not residual:
         return (64 if fp32 else 128, [(0, 8, 3, min(BV_full, 64))]) if delta else (64, [(0, 4, 3, min(BV_full, 32))])
-    return 64, [(1, 4, 3, min(BV_full, 32)), (2, 4, 3, min(BV_full, 32))]
+    keys_sides = (3, 4) if delta else (2,)
+    return 64, [(side, 4, 3, min(BV_full, 32)) for side in (1, *keys_sides)]
 
 
 def output_tile(BK, BV_full):
@@ -1640,7 +1643,13 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
     SIDE 0 does all of it. The residual rules, with twice the accumulators, run it as two
     launches: SIDE 1, the queries' side (dO's products with the states and the writes: dq,
     dgamma, and the dqk^T Q parts of dk and dG, stored), then SIDE 2, the keys' side (the
-    products of dh', dU and dz), which adds those parts to its own."""
+    products of dh', dU and dz), which adds those parts to its own; or as three, the keys' side
+    split by state: SIDE 3, S's (dh', dU and dz), then SIDE 4, R's (dh'_R and dU_R), each adding
+    to what the launch before stored."""
+    QUERIES: tl.constexpr = SIDE <= 1
+    S_KEYS: tl.constexpr = SIDE == 0 or SIDE == 2 or SIDE == 3
+    R_KEYS: tl.constexpr = RESIDUAL and (SIDE == 0 or SIDE == 2 or SIDE == 4)
+    S_READS: tl.constexpr = QUERIES or S_KEYS
     key_tile, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     r = tl.arange(0, BC)
@@ -1650,7 +1659,7 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
     # Kept in the inputs' dtype through the value loop (fewer registers), as the dots take them.
     # The loads keep their order of the one-launch kernel (q first, dh' before dO): in another
     # order SIDE 0 compiled differently and sGLA's launch ran 332 -> 360 us (H200, session 23).
-    if SIDE != 2:
+    if QUERIES:
         q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     g = _token_scalars(g_ptr, rows, row_ok, head, HV)
@@ -1667,48 +1676,50 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
     for value_start in range(0, DV, BV):
         vcols = value_start + tl.arange(0, BV)
         h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
-        h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
-        if SIDE != 1:
+        if S_READS:
+            h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
+        if S_KEYS:
             dh_next = tl.load(dh_next_ptr + h_offsets, mask=tile_ok, other=0.0)
-        if SIDE != 2:
+        if QUERIES:
             do = _load_rows(do_ptr, rows, row_ok, head, HV, vcols, DV)
-        if DELTA:
-            U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
-            if SIDE != 1:
-                dW -= _mm(_load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV), tl.trans(h), DT)
-        else:
-            U = strength[:, None] * _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-        if SIDE != 2:
+        if S_READS:
+            if DELTA:
+                U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
+                if S_KEYS:
+                    dW -= _mm(_load_rows(dU_ptr, rows, row_ok, head, HV, vcols, DV), tl.trans(h), DT)
+            else:
+                U = strength[:, None] * _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+        if QUERIES:
             dq_reads += _mm(do, tl.trans(h), DT)
             dP += _mm(do, tl.trans(U), DT)
-        if SIDE != 1:
+        if S_KEYS:
             dk_state += _mm(U, tl.trans(dh_next), DT)
             decay_grad_rows += tl.sum(dh_next * h.to(tl.float32), axis=1)
-        if RESIDUAL:
-            if SIDE != 1:
-                # pred = e^(G_prev) K h + P U reads h and U with gradient -dz (zero where clipped)
-                dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
-                dk_pred -= _mm(dz, tl.trans(h), DT)
-                dP_pred -= _mm(dz, tl.trans(U), DT)
+        if RESIDUAL and S_KEYS:
+            # pred = e^(G_prev) K h + P U reads h and U with gradient -dz (zero where clipped)
+            dz = _load_rows(dz_ptr, rows, row_ok, head, HV, vcols, DV)
+            dk_pred -= _mm(dz, tl.trans(h), DT)
+            dP_pred -= _mm(dz, tl.trans(U), DT)
+        if RESIDUAL and (QUERIES or R_KEYS):
             h = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
             U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV)
-            if SIDE != 2:
+            if QUERIES:
                 dq_reads_residual += _mm(do, tl.trans(h), DT)
                 dP_residual += _mm(do, tl.trans(U_residual), DT)
-            if SIDE != 1:
+            if R_KEYS:
                 dh_next = tl.load(dh_next_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
                 dk_state += _mm(U_residual, tl.trans(dh_next), DT)
                 decay_grad_rows += tl.sum(dh_next * h.to(tl.float32), axis=1)
                 if DELTA:
                     dW_residual -= _mm(_load_rows(dU_residual_ptr, rows, row_ok, head, HV, vcols, DV),
                                        tl.trans(h), DT)
-    if SIDE != 2:
+    if QUERIES:
         to_row = scale * tl.exp(G)  # the scaled decay from the chunk's start to each row
         decay = tl.exp(tl.where(r[:, None] >= r[None, :], G[:, None] - G[None, :], float("-inf")))
         qk = _mm(q, tl.trans(k), DT)  # this key tile's share of Q K^T
         q, k = q.to(tl.float32), k.to(tl.float32)
     part_rows = key_tile * L + rows
-    if SIDE != 2:
+    if QUERIES:
         if RESIDUAL:
             gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
             dq_inter_residual = to_row[:, None] * dq_reads_residual
@@ -1726,14 +1737,14 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
     else:  # the queries' side's parts, stored by the launch before
         dG = _load_part(parts_ptr, part_rows, row_ok, head, HV, 0)
         dk = _load_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK).to(tl.float32)
-    if SIDE != 1:
+    if S_KEYS or R_KEYS:
         k = k.to(tl.float32)
         to_chunk_end = tl.exp(G_last - G)
         dk += to_chunk_end[:, None] * dk_state
         state_grad = tl.sum(dk_state * k, axis=1) * to_chunk_end
         dG -= state_grad
         dG_last = tl.sum(decay_grad_rows, axis=0) * tl.exp(G_last) + tl.sum(state_grad, axis=0)
-        if RESIDUAL:
+        if RESIDUAL and S_KEYS:
             G_prev = G - g
             pred_decay = tl.exp(tl.where(r[:, None] > r[None, :], G_prev[:, None] - G[None, :], float("-inf")))
             kk = _mm(k, tl.trans(k), DT)  # this key tile's share of K K^T
@@ -1745,13 +1756,14 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
             dG += dG_prev - tl.sum(dkk * kk, axis=0)
             _store_part(parts_ptr, part_rows, row_ok, head, HV, 1, dG_prev)
         if DELTA:
-            dk_write, dstrength, dG_write, dX = _wy_write_backward(
-                _load_lower(X_ptr, rows, row_ok, head, HV, BC), dW, k, G, strength, DT)
-            dk += dk_write
-            dG += dG_write
-            _store_part(parts_ptr, part_rows, row_ok, head, HV, 2, dstrength)
-            _store_rows(dX_parts_ptr, key_tile * 2 * L + rows, row_ok, head, HV, r, BC, dX)
-            if RESIDUAL:
+            if S_KEYS:
+                dk_write, dstrength, dG_write, dX = _wy_write_backward(
+                    _load_lower(X_ptr, rows, row_ok, head, HV, BC), dW, k, G, strength, DT)
+                dk += dk_write
+                dG += dG_write
+                _store_part(parts_ptr, part_rows, row_ok, head, HV, 2, dstrength)
+                _store_rows(dX_parts_ptr, key_tile * 2 * L + rows, row_ok, head, HV, r, BC, dX)
+            if R_KEYS:
                 residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
                 dk_write, dstrength, dG_write, dX = _wy_write_backward(
                     _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC), dW_residual, k, G, residual_strength,
@@ -1763,7 +1775,7 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
         # dg is dG's reverse cumulative sum within the chunk: dG_last reaches every row from the last real one.
         dG += tl.where(r == tl.minimum(end - start, BC) - 1, dG_last, 0.0)
     _store_part(parts_ptr, part_rows, row_ok, head, HV, 0, dG)
-    if SIDE != 2:
+    if QUERIES:
         _store_rows(dq_ptr, rows, row_ok, head, HV, kcols, DK, dq)
     _store_rows(dk_ptr, rows, row_ok, head, HV, kcols, DK, dk)
 
