@@ -1005,11 +1005,14 @@ def grad_keys_launches(delta, residual, BV_full, fp32):
     residual rules, whole (RDN 1,136 -> 1,678, spilling 1.3 KB) or on the queries' side alone
     (1,136 -> 1,175). In fp32 the delta rule's tiles of 128 need 320 KB of shared memory: 64.
     RDN's keys' side split by state (SIDE 3 then 4; session 34): 1,135 -> 1,106 us at both
-    shapes (S's side spills 148 B where the whole keys' side spilled 544); RLA's lost (839 -> 864)."""
+    shapes (S's side spills 148 B where the whole keys' side spilled 544), and R's, the lighter,
+    over value tiles of 64: 1,106 -> 1,081 (S's on 2 stages lost: 1,138); RLA's split lost
+    (839 -> 864) and keeps two launches."""
     if not residual:
         return (64 if fp32 else 128, [(0, 8, 3, min(BV_full, 64))]) if delta else (64, [(0, 4, 3, min(BV_full, 32))])
-    keys_sides = (3, 4) if delta else (2,)
-    return 64, [(side, 4, 3, min(BV_full, 32)) for side in (1, *keys_sides)]
+    if delta:
+        return 64, [(1, 4, 3, min(BV_full, 32)), (3, 4, 3, min(BV_full, 32)), (4, 4, 3, min(BV_full, 64))]
+    return 64, [(1, 4, 3, min(BV_full, 32)), (2, 4, 3, min(BV_full, 32))]
 
 
 def output_tile(BK, BV_full):
