@@ -1000,8 +1000,8 @@ def grad_keys_launches(delta, residual, BV_full, fp32):
     the whole kernel on 8 warps (255 registers) runs one. Session 23, H16, B8xT2048 / B2xT8192:
     RLA 1,085 -> 843 / 1,086 -> 840 us, RDN 1,353 -> 1,134 / 1,353 -> 1,135; the keys' side on 8
     warps lost (RDN 1,430). Key tiles of 128 (session 34, H16, B2xT8192 / B8xT2048): the delta
-    rule without R 676 -> 462 / 680 -> 462 us (its 8 warps had too little work a program at 64,
-    and a chunk's dO U^T is formed once); sGLA lost (331 -> 367 on 8 warps), and so did the
+    rule without R 676 -> 462 / 680 -> 462 us (at 64 its 8 warps had little work each, and each
+    key tile formed the chunk's dO U^T again); sGLA lost (331 -> 367 on 8 warps), and so did the
     residual rules, whole (RDN 1,136 -> 1,678, spilling 1.3 KB) or on the queries' side alone
     (1,136 -> 1,175). In fp32 the delta rule's tiles of 128 need 320 KB of shared memory: 64.
     RDN's keys' side split by state (SIDE 3 then 4; session 34): 1,135 -> 1,106 us at both
@@ -1643,12 +1643,11 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
     gradients, and dX's share through W = X diag(b e^G) K) is stored per key tile (parts_ptr,
     dX_parts_ptr) and summed by `_chunk_grad_values_kernel`. Every product with Q K^T or K K^T
     is linear in them, so each tile takes its own columns' share.
-    SIDE 0 does all of it. The residual rules, with twice the accumulators, run it as two
-    launches: SIDE 1, the queries' side (dO's products with the states and the writes: dq,
-    dgamma, and the dqk^T Q parts of dk and dG, stored), then SIDE 2, the keys' side (the
-    products of dh', dU and dz), which adds those parts to its own; or as three, the keys' side
-    split by state: SIDE 3, S's (dh', dU and dz), then SIDE 4, R's (dh'_R and dU_R), each adding
-    to what the launch before stored."""
+    SIDE 0 does all of it. The residual rules, with twice the accumulators, run it in several
+    launches, each adding to what the one before stored: SIDE 1, the queries' side (dO's products
+    with the states and the writes: dq, dgamma, and the dqk^T Q parts of dk and dG), then for RLA
+    SIDE 2, the keys' side (the products of dh', dU and dz), and for RDN that side split by state:
+    SIDE 3, S's (dh', dU and dz), then SIDE 4, R's (dh'_R and dU_R)."""
     QUERIES: tl.constexpr = SIDE <= 1
     S_KEYS: tl.constexpr = SIDE == 0 or SIDE == 2 or SIDE == 3
     R_KEYS: tl.constexpr = RESIDUAL and (SIDE == 0 or SIDE == 2 or SIDE == 4)
