@@ -988,6 +988,25 @@ def pipeline_stages(fp32, BK):
     return 3, 3
 
 
+def state_pass_stages(stages, value_tile):
+    """num_stages of `_chunk_state_kernel`: one more than the other kernels' (`pipeline_stages`)
+    over value tiles of 16 and 32, whose shared memory leaves room for it (sm_90, bf16, D128: 144
+    KB at 4 stages, 179 KB at 5, tiles of 16). H200, H16 D128, B1xT32768 (session 20), tiles of
+    16: gdn's state kernel 617 -> 590 us, rdn's two passes 1,233 -> 1,181; at 5 stages 601 and
+    1,201; tiles of 32 on 8 warps there lost (892). Tiles of 32 (B2xT8192, session 35): rdn's two
+    passes 334 -> 319 us, gdn's 171 -> 168, RLA's fused pass equal (291 -> 290); tiles of 64 lost
+    (B8xT2048: rdn 230 -> 312, gdn 116 -> 155), and so did 2 stages everywhere (rdn 334 -> 476)."""
+    return stages + (value_tile <= 32 and stages == 3)  # 3: 16-bit inputs, D <= 128
+
+
+def reverse_warps(value_tile, warps):
+    """num_warps of `_chunk_state_backward_kernel`: 8 over value tiles of 64 (the additive rule
+    from 128 sequence-heads, `_ChunkRun.state_tile`). H200, H16 D128, B8xT2048 (session 35): RLA's
+    two reverse passes 287 -> 231 us; over tiles of 32 8 warps lost (rdn 593 -> 599 there, gdn 246
+    -> 263; at B2xT8192 RLA's 324 -> 327)."""
+    return 8 if value_tile >= 64 else warps
+
+
 def grad_keys_launches(delta, residual, BV_full, fp32):
     """(key tile, launches) of `_chunk_grad_keys_kernel`: the columns of K a program takes, and
     (side, num_warps, num_stages, value tile) of each launch, timed on the H200 (H8 D128, against
@@ -1258,7 +1277,7 @@ class _ChunkRun:
             *(residual_states if both else (initial, final)), cu_seqlens, chunk_offsets, self.clip, **self.shape,
             BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
             W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both, STORE_Z=store_z, VARLEN=varlen,
-            num_warps=self.warps, num_stages=self.state_stages())
+            num_warps=self.warps, num_stages=state_pass_stages(self.stages, self.state_tile()))
 
     def scans_states(self):
         """Whether the additive rule's state passes run as every chunk's own writes at once, then a
@@ -1371,14 +1390,6 @@ class _ChunkRun:
         (reading T^-1 there too lost 14-16 us). Not at D256, where the loop spills (192 B, sm_90)."""
         sequence_heads = self.layout.num_sequences * self.shape["HV"]
         return self.delta and not self.for_backward and self.BK <= 128 and sequence_heads >= 128
-
-    def state_stages(self):
-        """num_stages of `_chunk_state_kernel`: one more than the other kernels' at tiles of 16,
-        whose shared memory leaves room for it (sm_90, bf16, D128: 144 KB at 4 stages, 179 KB at
-        5). H200, H16 D128, B1xT32768 (session 20): gdn's state kernel 617 -> 590 us, rdn's two
-        passes 1,233 -> 1,181; at 5 stages 601 and 1,201. Tiles of 32 on 8 warps there lost (892)."""
-        deeper = self.state_tile() == 16 and self.stages == 3  # 3: 16-bit inputs, D <= 128
-        return self.stages + deeper
 
     def output(self, scale):
         o = torch.empty_like(self.v)
@@ -1950,7 +1961,8 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
             run.q, run.k, run.g, run.cumulative_decays(scan=pred), read_gate, W, do, dz, dstates, dh_next, dU,
             layout.cu_seqlens, layout.chunk_offsets, scale, **run.shape, BV=reverse_tile, BC=chunk_size, BK=run.BK,
             DT=run.DT, DELTA=run.delta, GATED_READ=gated_read, PRED=pred, WHOLE_DU=not state_part_after,
-            VARLEN=layout.varlen, num_warps=run.warps, num_stages=run.backward_stages)
+            VARLEN=layout.varlen, num_warps=reverse_warps(reverse_tile, run.warps),
+            num_stages=run.backward_stages)
         if state_part_after and not pred:
             local_grad()
 

@@ -60,8 +60,9 @@ def launches(BK, BV_full, delta, residual, fp32):
                                              BOTH_STATES=False, STORE_Z=False), warps, stages)
           for from_inverse in ((False, True) if delta and BK <= 128 else (False,))],
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, tile), W_FROM_INVERSE=False,
-                                             BOTH_STATES=False, STORE_Z=False), warps, stages + (tile == 16))
-          for tile in (16, 32) if delta and stages == 3],
+                                             BOTH_STATES=False, STORE_Z=False),
+           warps, kernels.state_pass_stages(stages, tile))
+          for tile in ((16, 32) if delta else (32,))],
         # The residual rules' writes of R: the forward's, and the backward's recompute (storing z); RLA's
         # below 32 sequence-heads adding R's writes to R for its scan (ADDS_TO_STATE).
         *[(kernels._chunk_residual_writes_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), ADDS_TO_STATE=adds,
@@ -70,7 +71,7 @@ def launches(BK, BV_full, delta, residual, fp32):
         # RLA's two passes in one (below 64 sequence-heads, so tiles of 16 or 32), forward and recompute.
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), W_FROM_INVERSE=False,
                                              BOTH_STATES=True, STORE_Z=store_z),
-           warps, stages) for store_z in (False, True)],
+           warps, kernels.state_pass_stages(stages, 32)) for store_z in (False, True)],
         # The cumulative log decay that the additive rule's sequential passes load.
         (kernels._chunk_decay_kernel, dict(BC=64, BH=16), 4, 1),
         # RLA's fused pass's factors of its gates and decays.
@@ -88,7 +89,8 @@ def launches(BK, BV_full, delta, residual, fp32):
                                              BV=kernels.output_tile(BK, BV_full)), warps, stages)
           for chunk in (64, kernels.LONG_CHUNK_SIZE)],
         (kernels._chunk_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 32), W_FROM_INVERSE=False,
-                                           BOTH_STATES=False, STORE_Z=False), warps, stages),
+                                           BOTH_STATES=False, STORE_Z=False),
+         warps, kernels.state_pass_stages(stages, 32)),
         (kernels._chunk_local_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_scan_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, CHUNKS=kernels.SCAN_CHUNKS,
                                                 BLOCK=kernels.SCAN_BLOCK), kernels.SCAN_WARPS, 3),
@@ -99,7 +101,8 @@ def launches(BK, BV_full, delta, residual, fp32):
         # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz.
         *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=reverse_tile, GATED_READ=gated, PRED=pred,
                                                        WHOLE_DU=delta),
-           warps, backward_stages) for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
+           kernels.reverse_warps(reverse_tile, warps), backward_stages)
+          for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
         (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
         *[(kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, key_tile), BV=value_tile, SIDE=side), keys_warps,
            keys_stages) for side, keys_warps, keys_stages, value_tile in keys_launches],
