@@ -1000,10 +1000,12 @@ def state_pass_stages(stages, value_tile):
 
 
 def reverse_warps(value_tile, warps):
-    """num_warps of `_chunk_state_backward_kernel`: 8 over value tiles of 64 (the additive rule
-    from 128 sequence-heads, `_ChunkRun.state_tile`). H200, H16 D128, B8xT2048 (session 35): RLA's
-    two reverse passes 287 -> 231 us; over tiles of 32 8 warps lost (rdn 593 -> 599 there, gdn 246
-    -> 263; at B2xT8192 RLA's 324 -> 327)."""
+    """num_warps of `_chunk_state_backward_kernel`: 8 over value tiles of 64 (every rule from 128
+    sequence-heads, `_ChunkRun.state_tile`). H200, H16 D128, B8xT2048 (session 35): RLA's
+    two reverse passes 287 -> 231 us; the delta rule's, over tiles of 32 on 4 warps until then,
+    gdn 247 -> 188 and rdn 598 -> 485 at 64 on 8; over tiles of 32 8 warps lost (rdn 593 -> 599,
+    gdn 246 -> 263; at B2xT8192 RLA's 324 -> 327). RDN's S pass over tiles of 64 needs 229,888 B of
+    shared memory at 3 stages, bf16 D128 (of the H200's 232,448: `tools/compile_for_gpu.py`)."""
     return 8 if value_tile >= 64 else warps
 
 
@@ -1372,11 +1374,12 @@ class _ChunkRun:
         us, RLA's two passes 3,093 -> 2,834. At 128 sequence-heads
         (B8xT2048 H16, session 13) the delta rule's reverse kernel was faster at 32 than at 64
         (gdn 419 -> 305 us, rdn 1,058 -> 845) and the additive rule's slower (sGLA 256 -> 284,
-        RLA 702 -> 778)."""
+        RLA 702 -> 778), on 4 warps; on 8 (`reverse_warps`, session 35, B8xT2048) the delta rule's
+        reverse kernel is faster at 64 than at 32 (gdn 247 -> 188, rdn's two passes 598 -> 485)."""
         sequence_heads = self.layout.num_sequences * self.shape["HV"]
         if sequence_heads < 32:
             return min(self.BV_full, 16)
-        wide = sequence_heads >= 128 and not self.delta if reverse else sequence_heads >= 64
+        wide = sequence_heads >= (128 if reverse else 64)
         return min(self.BV_full, 64 if wide else 32)
 
     def writes_from_inverse(self):

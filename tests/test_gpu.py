@@ -181,9 +181,13 @@ def test_auto_backend_falls_back_to_torch_for_head_sizes_the_chunked_kernels_ref
     assert torch.equal(o_auto, o_torch)
 
 
-@pytest.mark.parametrize("name,update,residual,kaczmarz,B,T,H,D", chunked_cases([(2, 4096, 16, 128), (1, 4096, 8, 256), (4, 2048, 16, 64)]))
+BACKWARD_SHAPES = [(2, 4096, 16, 128), (8, 2048, 16, 128), (1, 4096, 8, 256), (4, 2048, 16, 64)]
+
+
+@pytest.mark.parametrize("name,update,residual,kaczmarz,B,T,H,D", chunked_cases(BACKWARD_SHAPES))
 def test_triton_backward_bf16_at_real_sizes(name, update, residual, kaczmarz, B, T, H, D):
-    """The Triton backward, bf16 inputs, H = 16, D = 128, B2 x T4096 (and head sizes 256 and 64),
+    """The Triton backward, bf16 inputs, H = 16, D = 128, B2 x T4096 and B8 x T2048 (128
+    sequence-heads: the reverse passes' wide tiles on 8 warps), and head sizes 256 and 64,
     against autograd through the chunked torch backend on the same inputs (fp32 inside): relative
     error <= 1e-2 for dq, dk, dv and <= 2e-2 for the gates' and the initial states' gradients
     (issue "Triton backward")."""

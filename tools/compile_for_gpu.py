@@ -45,7 +45,7 @@ def launches(BK, BV_full, delta, residual, fp32):
     """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
     warps = 4 if BK <= 128 else 8
     state_tile = min(BV_full, 64)
-    reverse_tile = min(BV_full, 32 if delta else 64)  # `_ChunkRun.state_tile(reverse=True)` from 128 sequence-heads
+    reverse_tile = state_tile  # `_ChunkRun.state_tile(reverse=True)` from 128 sequence-heads
     stages, backward_stages = kernels.pipeline_stages(fp32, BK)
     long_writes_tile, long_writes_warps = kernels.writes_launch(kernels.LONG_CHUNK_SIZE, BV_full, warps)
     key_tile, keys_launches = kernels.grad_keys_launches(delta, residual, BV_full, fp32)
