@@ -38,7 +38,8 @@ def _next_power_of_2(n):
 
 class _Launcher:
     """A @triton.jit kernel launched as Triton launches it, `kernel[grid](*args, **kwargs)`, but on
-    CUDA a specialisation's later launches go straight to the binary its first launch returned.
+    CUDA a specialisation's later launches go straight to the C launcher of the binary its first
+    launch returned (`_binary_launch`).
 
     Triton derives every argument's specialisation again at each launch (type, pointers' 16-byte
     alignment, integers equal to 1 or multiples of 16), reads its settings and looks the binary
@@ -62,25 +63,51 @@ class _Launcher:
         compiled = isinstance(kernel, triton.runtime.JITFunction) and triton.__version__.startswith("3.6.")
         self.params = kernel.arg_names if compiled else ()
         self.by_value = tuple(param.is_constexpr for param in kernel.params) if compiled else ()
-        self.binaries = {} if compiled else None
+        self.launches = {} if compiled else None
 
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kwargs):
-        if self.binaries is None or not args[0].is_cuda:
+        if self.launches is None or not args[0].is_cuda:
             return self.kernel[grid](*args, **kwargs)
-        key = (torch.cuda.current_device(), tuple(kwargs.items()),
+        device = torch.cuda.current_device()
+        key = (device, tuple(kwargs.items()),
                *(arg if by_value else _specialisation(arg) for arg, by_value in zip(args, self.by_value)))
-        binary = self.binaries.get(key)
-        if binary is None:
+        launch = self.launches.get(key)
+        if launch is None:
             binary = self.kernel[grid](*args, **kwargs)
             if isinstance(binary, triton.compiler.CompiledKernel):
-                if len(self.binaries) >= self.MAX_KEYS:
-                    self.binaries.clear()
-                self.binaries[key] = binary
+                if len(self.launches) >= self.MAX_KEYS:
+                    self.launches.clear()
+                self.launches[key] = _binary_launch(binary)
             return
-        binary[tuple(grid) + (1,) * (3 - len(grid))](*args, *(kwargs[name] for name in self.params[len(args):]))
+        launch(tuple(grid) + (1,) * (3 - len(grid)), device,
+               (*args, *(kwargs[name] for name in self.params[len(args):])))
+
+
+def _binary_launch(binary):
+    """`launch(grid, device, every parameter's value)` of a compiled kernel: its C launcher called
+    as Triton 3.6's runner calls it (`CompiledKernel.__getitem__`, `CudaLauncher.__call__`), less
+    what costs host time there on every launch and serves nothing here: a closure, the launch
+    metadata built for the launch hooks (a `LazyDict` a launch, and the two empty hook chains
+    called from C), the scratch allocations of kernels that need none. A kernel that needs
+    scratch memory, and any launch while a profiler has hooked Triton's launches, take Triton's
+    runner."""
+    runner = binary.run  # loads the binary's module at its first use
+    if runner.global_scratch_size or runner.profile_scratch_size:
+        return lambda grid, device, args: binary[grid](*args)
+    c_launch, function, metadata = runner.launch, binary.function, binary.packed_metadata
+    cooperative, pdl = runner.launch_cooperative_grid, runner.launch_pdl
+    current_stream = triton.runtime.driver.active.get_current_stream
+    hooks = triton.knobs.runtime
+
+    def launch(grid, device, args):
+        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+            return binary[grid](*args)
+        c_launch(*grid, current_stream(device), function, cooperative, pdl, None, None, metadata, None, None, None,
+                 *args)
+    return launch
 
 
 def _specialisation(arg):
@@ -966,7 +993,14 @@ class _ChunkLayout:
                                                      output_size=self.num_chunks)
         else:  # computed inside the kernels; the table arguments are never read
             self.num_sequences, self.num_chunks = B, B * self.NT
-            self.cu_seqlens = self.chunk_offsets = self.chunk_seq = torch.empty(1, device=device, dtype=torch.int64)
+            self.cu_seqlens = self.chunk_offsets = self.chunk_seq = _unread_table(device)
+
+
+@functools.lru_cache
+def _unread_table(device):
+    """The index tables' argument of a call without cu_seqlens: one tensor a device, not an
+    allocation a call (host time)."""
+    return torch.empty(1, device=device, dtype=torch.int64)
 
 
 def pipeline_stages(fp32, BK):
@@ -1503,13 +1537,14 @@ def _chunk_local_grad_kernel(q_ptr, k_ptr, g_ptr, gamma_ptr, do_ptr, dh_next_ptr
 
 @_Launcher
 @triton.jit
-def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, G_ptr, gamma_ptr, W_ptr, do_ptr, dz_ptr, dS_ptr, dh_next_ptr,
-                                 dU_ptr, cu_seqlens_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK, DV,
-                                 BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, G_ptr, gamma_ptr, W_ptr, do_ptr, dz_ptr, dS_ptr, dS0_ptr,
+                                 dh_next_ptr, dU_ptr, cu_seqlens_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK,
+                                 DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                                  DELTA: tl.constexpr, GATED_READ: tl.constexpr, PRED: tl.constexpr,
-                                 WHOLE_DU: tl.constexpr, VARLEN: tl.constexpr):
-    """One state's reverse pass. dS_ptr holds the final state's gradient on entry and the initial
-    state's on exit. Stores dh' of every chunk. With WHOLE_DU, dU_ptr holds the chunks' own parts
+                                 WHOLE_DU: tl.constexpr, FINAL_GRAD: tl.constexpr, VARLEN: tl.constexpr):
+    """One state's reverse pass from the final state's gradient (dS_ptr, any float dtype; zero
+    without FINAL_GRAD, when the final state was not used), storing the initial state's at
+    dS0_ptr, in fp32, and dh' of every chunk. With WHOLE_DU, dU_ptr holds the chunks' own parts
     of dU on entry (`_chunk_local_grad_kernel`, and for S of the residual rules pred's -P^T dz,
     `_chunk_residual_grad_kernel`) and the whole dU on exit; without (the additive rule, whose dh
     never reads dU), a later kernel adds dU's state part (`chunk_backward` says which). R's
@@ -1521,7 +1556,10 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, G_ptr, gamma_ptr, W_ptr, d
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
     state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
     tile = kcols[:, None] * DV + vcols[None, :]
-    dh = tl.load(dS_ptr + state_offsets, mask=tile_ok, other=0.0)
+    if FINAL_GRAD:
+        dh = tl.load(dS_ptr + state_offsets, mask=tile_ok, other=0.0).to(tl.float32)
+    else:
+        dh = tl.zeros([BK, BV], dtype=tl.float32)
     r = tl.arange(0, BC)
     num_chunks = tl.cdiv(eos - bos, BC)
     for i in range(num_chunks):
@@ -1555,7 +1593,7 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, G_ptr, gamma_ptr, W_ptr, d
             dh -= _mm(k_t, tl.exp(G_prev)[:, None] * dz, DT)
         if DELTA:
             dh -= _mm(_load_columns(W_ptr, rows, row_ok, head, HV, kcols, DK), dU, DT)
-    tl.store(dS_ptr + state_offsets, dh, mask=tile_ok)
+    tl.store(dS0_ptr + state_offsets, dh, mask=tile_ok)
 
 
 @_Launcher
@@ -1922,10 +1960,8 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
                     for_backward=True, inverse=inverse)
     layout, residual = run.layout, run.residual
     do = do.reshape(L, HV, Dv).contiguous()
-    start_grad = lambda d, like: torch.zeros_like(like) if d is None else \
-        d.float().clone(memory_format=torch.contiguous_format)  # noqa: E731
-    dS0 = start_grad(dS, run.S)
-    dR0 = start_grad(dR, run.R) if residual else dS0
+    dS0 = _fresh_state(run.S)
+    dR0 = _fresh_state(run.R) if residual else dS0
     f32 = dict(device=q.device, dtype=torch.float32)
     # The intermediate gradients (dh', dU, dU_R, dz, dX's parts, dk's key part) are kept in the
     # inputs' dtype, as FLA keeps its dh and dv: every dot that reads them casts them so anyway,
@@ -1959,23 +1995,24 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
 
     reverse_tile = run.state_tile(reverse=True)
 
-    def reverse_pass(dstates, dh_next, dU, W, gated_read, pred):
+    def reverse_pass(d_final, d_initial, dh_next, dU, W, gated_read, pred):
         _chunk_state_backward_kernel[(_cdiv(Dv, reverse_tile), layout.num_sequences * HV)](
-            run.q, run.k, run.g, run.cumulative_decays(scan=pred), read_gate, W, do, dz, dstates, dh_next, dU,
-            layout.cu_seqlens, layout.chunk_offsets, scale, **run.shape, BV=reverse_tile, BC=chunk_size, BK=run.BK,
-            DT=run.DT, DELTA=run.delta, GATED_READ=gated_read, PRED=pred, WHOLE_DU=not state_part_after,
-            VARLEN=layout.varlen, num_warps=reverse_warps(reverse_tile, run.warps),
+            run.q, run.k, run.g, run.cumulative_decays(scan=pred), read_gate, W, do, dz,
+            d_initial if d_final is None else d_final.contiguous(), d_initial, dh_next, dU, layout.cu_seqlens,
+            layout.chunk_offsets, scale, **run.shape, BV=reverse_tile, BC=chunk_size, BK=run.BK, DT=run.DT,
+            DELTA=run.delta, GATED_READ=gated_read, PRED=pred, WHOLE_DU=not state_part_after,
+            FINAL_GRAD=d_final is not None, VARLEN=layout.varlen, num_warps=reverse_warps(reverse_tile, run.warps),
             num_stages=run.backward_stages)
         if state_part_after and not pred:
             local_grad()
 
     if residual:  # R's pass first: its gradient reaches S's through pred (dz), never the other way
-        reverse_pass(dR0, dh_next_residual, dU_residual, run.W_residual, gated_read=True, pred=False)
+        reverse_pass(dR, dR0, dh_next_residual, dU_residual, run.W_residual, gated_read=True, pred=False)
         _chunk_residual_grad_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
             run.gamma_write, run.X_residual, run.P, run.z, dU_residual, dz, dU, *run.tables, layout.T,
             layout.NT, HV, Dv, BC=chunk_size, BV=BV, DT=run.DT, DELTA=run.delta, VARLEN=layout.varlen,
             num_warps=run.warps)
-    reverse_pass(dS0, dh_next, dU, run.W, gated_read=False, pred=residual)
+    reverse_pass(dS, dS0, dh_next, dU, run.W, gated_read=False, pred=residual)
     # dq, dk and dv are stored in their inputs' dtypes (the one rounding a cast would make), but dq
     # and dk in fp32 where a key head serves several value heads: their shares are summed first.
     grouped = HV > H

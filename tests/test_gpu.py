@@ -181,31 +181,47 @@ def test_auto_backend_falls_back_to_torch_for_head_sizes_the_chunked_kernels_ref
     assert torch.equal(o_auto, o_torch)
 
 
-BACKWARD_SHAPES = [(2, 4096, 16, 128), (8, 2048, 16, 128), (1, 4096, 8, 256), (4, 2048, 16, 64)]
+BACKWARD_SHAPES = [(2, 4096, 16, 128), (8, 2048, 16, 128), (1, 4096, 8, 256), (4, 2048, 16, 64),
+                   (8, 512, 16, 256), (8, 1024, 16, 64)]
 
 
-@pytest.mark.parametrize("name,update,residual,kaczmarz,B,T,H,D", chunked_cases(BACKWARD_SHAPES))
-def test_triton_backward_bf16_at_real_sizes(name, update, residual, kaczmarz, B, T, H, D):
-    """The Triton backward, bf16 inputs, H = 16, D = 128, B2 x T4096 and B8 x T2048 (128
-    sequence-heads: the reverse passes' wide tiles on 8 warps), and head sizes 256 and 64,
-    against autograd through the chunked torch backend on the same inputs (fp32 inside): relative
-    error <= 1e-2 for dq, dk, dv and <= 2e-2 for the gates' and the initial states' gradients
-    (issue "Triton backward")."""
-    x = to_cuda(make_inputs(B, T, H, H, D, D, residual, kaczmarz=kaczmarz), torch.bfloat16)
+def assert_triton_backward_matches_torch(x, update, residual, final_states):
+    """Gradients of every input and initial state through the Triton backward against autograd
+    through the chunked torch backend on the same inputs (fp32 inside), for a random weighting
+    of the output and, with `final_states`, of the final states (else unused: their gradients
+    arrive as None): relative error <= 1e-2 for dq, dk, dv and <= 2e-2 for the gates' and the
+    initial states' gradients (issue "Triton backward")."""
     names = [n for n, t in x.items() if t is not None]
     results = {}
     for backend in ("torch", "triton"):
         leaves = {n: None if t is None else t.detach().clone().requires_grad_() for n, t in x.items()}
-        o, (S, R) = reslin_attention(*(leaves[n] for n in ("q", "k", "v", "g", "beta", "gamma")), update=update,
-                                     initial_state=(leaves["S0"], leaves["R0"]), output_final_state=True,
+        o, states = reslin_attention(*(leaves[n] for n in ("q", "k", "v", "g", "beta", "gamma")), update=update,
+                                     initial_state=(leaves["S0"], leaves["R0"]), output_final_state=final_states,
                                      backend=backend, gamma_write=leaves["gamma_write"])
         gen = torch.Generator(device="cuda").manual_seed(1)
         weigh = lambda t: (t.float() * torch.randn(t.shape, device="cuda", generator=gen)).sum()  # noqa: E731
-        loss = weigh(o) + weigh(S) + (weigh(R) if residual else 0)
+        loss = weigh(o) + (sum(weigh(state) for state in states if state is not None) if final_states else 0)
         results[backend] = torch.autograd.grad(loss, [leaves[n] for n in names])
     for n, got, ref in zip(names, results["triton"], results["torch"]):
         assert torch.isfinite(got).all(), n
         assert rel_err(got, ref) < (1e-2 if n in ("q", "k", "v") else 2e-2), f"d{n}: {rel_err(got, ref):.2e}"
+
+
+@pytest.mark.parametrize("name,update,residual,kaczmarz,B,T,H,D", chunked_cases(BACKWARD_SHAPES))
+def test_triton_backward_bf16_at_real_sizes(name, update, residual, kaczmarz, B, T, H, D):
+    """The Triton backward, bf16 inputs, H = 16, D = 128, B2 x T4096 and B8 x T2048, head sizes 256
+    and 64 with few sequence-heads and with 128 (the reverse passes' wide tiles on 8 warps), final
+    states carrying the loss (`assert_triton_backward_matches_torch`)."""
+    x = to_cuda(make_inputs(B, T, H, H, D, D, residual, kaczmarz=kaczmarz), torch.bfloat16)
+    assert_triton_backward_matches_torch(x, update, residual, final_states=True)
+
+
+@pytest.mark.parametrize("name,update,residual,kaczmarz,B,T,H,D", chunked_cases([(8, 2048, 16, 128)]))
+def test_triton_backward_from_unused_final_states_bf16(name, update, residual, kaczmarz, B, T, H, D):
+    """The training call's case: the final states unused, so the reverse passes start from a
+    zero gradient of their own (`assert_triton_backward_matches_torch`)."""
+    x = to_cuda(make_inputs(B, T, H, H, D, D, residual, kaczmarz=kaczmarz), torch.bfloat16)
+    assert_triton_backward_matches_torch(x, update, residual, final_states=False)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -218,28 +218,31 @@ def test_decode_step_checks_its_state():
 GRAD_CASES = CHUNK_CASES + [(2, 1, 2, 2, 16, 16, None), (1, 70, 1, 1, 80, 96, None), (1, 70, 1, 1, 256, 256, None)]
 
 
-def outputs_and_gradients(x, update, residual, cu_seqlens, backend):
-    """(labels, tensors) of one backend: o, S (and R), then the gradient of every input and
-    initial state present, for a random weighting of the output and of the final states, with
-    a clip (0.5) that clips part of the residuals."""
+def outputs_and_gradients(x, update, residual, cu_seqlens, backend, weighed_states=("S", "R")):
+    """(labels, tensors) of one backend: o (and the final states of `weighed_states`), then the
+    gradient of every input and initial state present, for a random weighting of the output
+    and of those final states (the others unused: their gradients arrive as None), with a clip
+    (0.5) that clips part of the residuals."""
     names = [n for n in ("q", "k", "v", "g", "beta", "gamma", "gamma_write", "S0", "R0") if x[n] is not None]
     leaves = {n: x[n].detach().clone().requires_grad_() if n in names else None for n in x}
-    o, (S, R) = reslin_attention(*(leaves[n] for n in ("q", "k", "v", "g", "beta", "gamma")), update=update, clip=0.5,
-                                 initial_state=(leaves["S0"], leaves["R0"]), output_final_state=True,
-                                 cu_seqlens=cu_seqlens, backend=backend, gamma_write=leaves["gamma_write"])
+    o, final_states = reslin_attention(*(leaves[n] for n in ("q", "k", "v", "g", "beta", "gamma")), update=update,
+                                       clip=0.5, initial_state=(leaves["S0"], leaves["R0"]),
+                                       output_final_state=bool(weighed_states), cu_seqlens=cu_seqlens, backend=backend,
+                                       gamma_write=leaves["gamma_write"])
+    S, R = final_states or (None, None)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     weigh = lambda t: (t * torch.randn(t.shape, device=DEVICE, generator=gen)).sum()  # noqa: E731
-    loss = weigh(o) + weigh(S) + (weigh(R) if residual else 0)
-    outputs = [o, S] + ([R] if residual else [])
-    labels = ["o", "S"] + (["R"] if residual else []) + [f"d{n}" for n in names]
-    return labels, outputs + list(torch.autograd.grad(loss, [leaves[n] for n in names]))
+    states = [(label, state) for label, state in (("S", S), ("R", R)) if label in weighed_states and state is not None]
+    loss = weigh(o) + sum(weigh(state) for _, state in states)
+    labels = ["o"] + [label for label, _ in states] + [f"d{n}" for n in names]
+    return labels, [o] + [state for _, state in states] + list(torch.autograd.grad(loss, [leaves[n] for n in names]))
 
 
-def assert_gradients_match_reference(x, update, residual, cu_seqlens):
+def assert_gradients_match_reference(x, update, residual, cu_seqlens, weighed_states=("S", "R")):
     """`outputs_and_gradients` through the Triton kernels against the per-token reference:
     relative error <= 1e-5 in fp32."""
-    labels, ref = outputs_and_gradients(x, update, residual, cu_seqlens, "recurrent")
-    _, got = outputs_and_gradients(x, update, residual, cu_seqlens, "triton")
+    labels, ref = outputs_and_gradients(x, update, residual, cu_seqlens, "recurrent", weighed_states)
+    _, got = outputs_and_gradients(x, update, residual, cu_seqlens, "triton", weighed_states)
     for label, a, b in zip(labels, got, ref):
         assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
 
@@ -251,6 +254,19 @@ def test_chunked_backward_matches_reference(name, update, residual, kaczmarz, ca
     through the per-token reference (`outputs_and_gradients`): relative error <= 1e-5 in fp32."""
     x, cu_seqlens = case_inputs(case, residual, kaczmarz)
     assert_gradients_match_reference(x, update, residual, cu_seqlens)
+
+
+UNUSED_FINAL_STATES = [(*rule, ()) for rule in STEPPED_RULES] + [(*rule, ("S",)) for rule in STEPPED_RULES if rule[2]]
+
+
+@pytest.mark.parametrize("name,update,residual,kaczmarz,weighed_states", UNUSED_FINAL_STATES,
+                         ids=[f"{case[0]}-{'S_alone' if case[4] else 'none'}" for case in UNUSED_FINAL_STATES])
+def test_backward_from_unused_final_states_matches_reference(name, update, residual, kaczmarz, weighed_states):
+    """The reverse passes start from a zero gradient where a final state is unused (its
+    gradient arrives as None): every one, or R's alone (S's carries the loss). Every gradient,
+    the initial states' included, against the reference: relative error <= 1e-5 in fp32."""
+    x, cu_seqlens = case_inputs(CHUNK_CASES[0], residual, kaczmarz)
+    assert_gradients_match_reference(x, update, residual, cu_seqlens, weighed_states)
 
 
 @pytest.mark.parametrize("case", GRAD_CASES[3:], ids=["wide", "d256"])

@@ -4,6 +4,8 @@
 On a CPU there is no binary to launch: Triton's side is a recorder here, and the first argument
 a CPU tensor that says it is on CUDA. The GPU tests run every kernel through the real thing."""
 
+import types
+
 import pytest
 import torch
 
@@ -28,30 +30,46 @@ class _OnCuda(torch.Tensor):
 class _Recorder:
     """Triton's launch path, `kernel[grid](...)`, and the binaries it returns."""
 
-    def __init__(self):
+    def __init__(self, scratch=0):
         self.launches = []
+        self.scratch = scratch
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches.append(("triton", grid, args, kwargs))
-            return _Binary(self)
+            return _Binary(self, self.scratch)
         return launch
 
 
 class _Binary(triton.compiler.CompiledKernel):
-    def __init__(self, recorder):
+    """A binary whose C launcher records its launches, with Triton 3.6's runner (`binary[grid]`)
+    recording its own."""
+    function, packed_metadata = "function", (4, 1, 0)
+
+    def __init__(self, recorder, scratch):
         self.recorder = recorder
+        self.scratch = scratch
+
+    @property
+    def run(self):
+        return types.SimpleNamespace(launch=self._c_launch, global_scratch_size=self.scratch, profile_scratch_size=0,
+                                     launch_cooperative_grid=False, launch_pdl=False)
+
+    def _c_launch(self, *args):
+        self.recorder.launches.append(("binary", args[:3], args[13:]))
+        assert args[3:13] == (7, "function", False, False, None, None, (4, 1, 0), None, None, None)
 
     def __getitem__(self, grid):
-        return lambda *args: self.recorder.launches.append(("binary", grid, args))
+        return lambda *args: self.recorder.launches.append(("runner", grid, args))
 
 
 @pytest.fixture
 def launcher(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(get_current_stream=lambda device: 7))
     launcher = kernels_reslin_triton._Launcher(triton.runtime.JITFunction(_kernel))
-    assert launcher.binaries == {} and launcher.by_value == (False, False, False, True, True)
+    assert launcher.launches == {} and launcher.by_value == (False, False, False, True, True)
     launcher.kernel = _Recorder()
     return launcher
 
@@ -68,6 +86,22 @@ def test_a_specialisation_launches_its_binary_after_the_first_launch(launcher):
     path, grid, args = launcher.kernel.launches[1]
     assert grid == (8, 2, 1)
     assert args[0] is x and args[1:] == (64, 0.25, 16, 2.0)  # every parameter in order, no options
+
+
+def test_a_profilers_launch_hooks_take_tritons_runner(launcher, monkeypatch):
+    x = torch.zeros(64).as_subclass(_OnCuda)
+    launcher[(4,)](x, 64, 0.5, BLOCK=16, FACTOR=2.0)
+    monkeypatch.setattr(triton.knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
+    launcher[(4,)](x, 64, 0.5, BLOCK=16, FACTOR=2.0)
+    assert _paths(launcher) == ["triton", "runner"]
+
+
+def test_a_kernel_needing_scratch_memory_takes_tritons_runner(launcher):
+    launcher.kernel = _Recorder(scratch=256)
+    x = torch.zeros(64).as_subclass(_OnCuda)
+    for _ in range(2):
+        launcher[(4,)](x, 64, 0.5, BLOCK=16, FACTOR=2.0)
+    assert _paths(launcher) == ["triton", "runner"]
 
 
 @pytest.mark.parametrize("change", ["integer", "constexpr", "constexpr float", "option", "dtype", "alignment"])
@@ -95,7 +129,7 @@ def test_cpu_tensors_and_the_interpreter_always_take_tritons_path(launcher):
     x = torch.zeros(64)
     for _ in range(2):
         launcher[(1,)](x, 64, 0.5, BLOCK=16, FACTOR=2.0)
-    launcher.binaries = None  # as for an interpreted kernel
+    launcher.launches = None  # as for an interpreted kernel
     on_cuda = x.as_subclass(_OnCuda)
     for _ in range(2):
         launcher[(1,)](on_cuda, 64, 0.5, BLOCK=16, FACTOR=2.0)
@@ -116,12 +150,12 @@ def test_only_tritons_compiled_binaries_are_kept(launcher):
     x = torch.zeros(64).as_subclass(_OnCuda)
     for _ in range(2):
         launcher[(1,)](x, 64, 0.5, BLOCK=16, FACTOR=2.0)
-    assert launcher.binaries == {} and _paths(launcher) == ["triton", "triton"]
+    assert launcher.launches == {} and _paths(launcher) == ["triton", "triton"]
 
 
 def test_other_triton_versions_take_tritons_path(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.5.1")
-    assert kernels_reslin_triton._Launcher(triton.runtime.JITFunction(_kernel)).binaries is None
+    assert kernels_reslin_triton._Launcher(triton.runtime.JITFunction(_kernel)).launches is None
 
 
 def test_the_keys_are_forgotten_past_their_limit(launcher, monkeypatch):
@@ -129,6 +163,6 @@ def test_the_keys_are_forgotten_past_their_limit(launcher, monkeypatch):
     x = torch.zeros(64).as_subclass(_OnCuda)
     for n in range(5):
         launcher[(1,)](x, n, 0.5, BLOCK=16, FACTOR=2.0)
-    assert len(launcher.binaries) == 2  # cleared at the fourth key
+    assert len(launcher.launches) == 2  # cleared at the fourth key
     launcher[(1,)](x, 4, 0.5, BLOCK=16, FACTOR=2.0)
     assert _paths(launcher) == ["triton"] * 5 + ["binary"]

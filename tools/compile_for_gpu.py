@@ -37,8 +37,8 @@ INDEX_POINTERS = ("cu_seqlens_ptr", "chunk_seq_ptr", "chunk_offsets_ptr")
 # buffers in the input dtype (dq, dk and dv too: GROUP is 1 here).
 FP32_POINTERS = ("S_ptr", "R_ptr", "G_ptr", "state_ptr", "S0_ptr", "R0_ptr", "ends_ptr", "starts_ptr",
                  "segment_decay_ptr", "chunk_decay_ptr", "row_factors_ptr", "chunk_factors_ptr", "g_ptr",
-                 "strength_ptr", "residual_strength_ptr", "gamma_ptr", "dS_ptr", "dR_ptr", "residual_ptr", "dg_ptr",
-                 "dstrength_ptr", "dgamma_ptr", "dresidual_strength_ptr", "parts_ptr")
+                 "strength_ptr", "residual_strength_ptr", "gamma_ptr", "dS_ptr", "dS0_ptr", "dR_ptr", "residual_ptr",
+                 "dg_ptr", "dstrength_ptr", "dgamma_ptr", "dresidual_strength_ptr", "parts_ptr")
 
 
 def launches(BK, BV_full, delta, residual, fp32):
@@ -100,7 +100,7 @@ def launches(BK, BV_full, delta, residual, fp32):
                                                  STATE_PART=not delta), warps, 3),
         # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz.
         *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=reverse_tile, GATED_READ=gated, PRED=pred,
-                                                       WHOLE_DU=delta),
+                                                       WHOLE_DU=delta, FINAL_GRAD=True),
            kernels.reverse_warps(reverse_tile, warps), backward_stages)
           for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
         (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
