@@ -993,14 +993,7 @@ class _ChunkLayout:
                                                      output_size=self.num_chunks)
         else:  # computed inside the kernels; the table arguments are never read
             self.num_sequences, self.num_chunks = B, B * self.NT
-            self.cu_seqlens = self.chunk_offsets = self.chunk_seq = _unread_table(device)
-
-
-@functools.lru_cache
-def _unread_table(device):
-    """The index tables' argument of a call without cu_seqlens: one tensor a device, not an
-    allocation a call (host time)."""
-    return torch.empty(1, device=device, dtype=torch.int64)
+            self.cu_seqlens = self.chunk_offsets = self.chunk_seq = torch.empty(1, device=device, dtype=torch.int64)
 
 
 def pipeline_stages(fp32, BK):
