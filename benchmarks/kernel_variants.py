@@ -12,8 +12,10 @@ kernels overlap (on two streams), above it where the host is the slower side.
 With --check it also compares every variant's outputs and gradients with the first variant's
 (the largest relative RMS difference; inf where one is not finite), so that a faster variant is
 known to compute the same thing on that GPU before it is worth landing, and gives each variant's
-error against the first variant run on the same inputs in fp32: a variant that rounds differently
-(an intermediate in bf16, a sum in another order) shows whether it lost precision or only moved.
+error against the chunked PyTorch reference in fp32 (kernels_reslin_torch, its gradients by
+autograd): a variant that rounds differently (an intermediate in bf16, a sum in another order)
+shows whether it lost precision or only moved. The reference is not a Triton variant run in
+fp32: at D128 those kernels compile for minutes (session 38: more than 200 s a copy).
 
     python benchmarks/kernel_variants.py --variant now=kernels_reslin_triton.py --variant old=scratch/old.py \\
         [--rules gdn rdn] [--shapes 4x4096 8x2048] [--heads 8] [--dim 128] [--backward] [--top 5]
@@ -34,6 +36,7 @@ import torch
 from bench_forward import parse_shape
 from common import DEVICE, REPO, RULES, median_ms, print_header, rule_inputs
 from kernel_times import kernel_times
+from kernels_reslin_torch import chunk_reslin
 
 
 def load_variant(name, path):
@@ -55,8 +58,16 @@ def chunk_arguments(rule, B, T, H, D):
     return args, torch.randn_like(x["v"])
 
 
-def in_fp32(chunk_args, do):
-    return [t.float() if torch.is_tensor(t) else t for t in chunk_args], do.float()
+def fp32_reference(chunk_args, do, backward):
+    """What `results` gives, from kernels_reslin_torch.chunk_reslin on the inputs in fp32."""
+    args = [t.detach().float().requires_grad_(backward) if torch.is_tensor(t) else t for t in chunk_args]
+    with torch.enable_grad():
+        o, S, R = chunk_reslin(*args)
+        tensors = [o, S, R]
+        if backward:
+            inputs = [t for t in args if torch.is_tensor(t)]
+            tensors += torch.autograd.grad((o * do.float()).sum(), inputs, allow_unused=True)
+    return [t.detach().float() for t in tensors if t is not None]
 
 
 def results(kernels, chunk_args, do, backward):
@@ -93,7 +104,7 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=5, help="kernels named per call")
     parser.add_argument("--check", action="store_true",
                         help="also every variant's outputs (and gradients) against the first variant's, "
-                             "and their error against the first variant's in fp32")
+                             "and their error against the chunked PyTorch reference in fp32")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes (the current file without --variant), to check the script")
     args = parser.parse_args(argv)
@@ -116,7 +127,7 @@ def main(argv=None):
         for B, T in args.shapes:
             chunk_args, do = chunk_arguments(rule, B, T, args.heads, args.dim)
             print(f"\n{rule} {B}x{T}", flush=True)
-            reference = fp32_reference = None
+            reference = reference_fp32 = None
             for name, kernels in variants:
                 try:
                     calls = {"forward": lambda: kernels.chunk_forward(*chunk_args)}
@@ -130,12 +141,12 @@ def main(argv=None):
                         tensors = results(kernels, chunk_args, do, args.backward)
                         if reference is None:
                             reference = (name, tensors)
-                            fp32_reference = results(kernels, *in_fp32(chunk_args, do), args.backward)
+                            reference_fp32 = fp32_reference(chunk_args, do, args.backward)
                         else:
                             print(f"  {name:{width}s} differs from {reference[0]} by at most "
                                   f"{largest_difference(tensors, reference[1]):.1e}", flush=True)
-                        print(f"  {name:{width}s} error against {reference[0]} in fp32 at most "
-                              f"{largest_difference(tensors, fp32_reference):.1e}", flush=True)
+                        print(f"  {name:{width}s} error against the fp32 reference at most "
+                              f"{largest_difference(tensors, reference_fp32):.1e}", flush=True)
                 except Exception as error:  # a launch that does not fit, say: the other variants still run
                     print(f"  {name:{width}s} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}",
                           flush=True)

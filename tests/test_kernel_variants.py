@@ -1,5 +1,6 @@
 """benchmarks/kernel_variants.py --check on tiny sizes (Triton's interpreter on a CPU): a copy of
-the kernels file matches it exactly, and a copy with a wrong state step shows its difference."""
+the kernels file matches it exactly, and a copy with a wrong state step shows its difference, from
+the first variant and from the fp32 reference alike."""
 
 import sys
 from pathlib import Path
@@ -27,7 +28,13 @@ def test_check_tells_a_changed_kernel_from_a_copy(tmp_path, capsys):
     kernel_variants.main(["--check", "--backward", "--rules", "gdn", "rdn", "--shapes", "1x70", "--heads", "1",
                           "--dim", "32", "--repeats", "1", "--variant", f"now={kernels}",
                           "--variant", f"same={tmp_path / 'same.py'}", "--variant", f"wrong={tmp_path / 'wrong.py'}"])
-    lines = [line.split() for line in capsys.readouterr().out.splitlines() if "differs from now" in line]
+    out = capsys.readouterr().out.splitlines()
+    lines = [line.split() for line in out if "differs from now" in line]
     difference = {name: [float(line[-1]) for line in lines if line[0] == name] for name in ("same", "wrong")}
     assert difference["same"] == [0.0, 0.0]  # gdn and rdn
     assert len(difference["wrong"]) == 2 and min(difference["wrong"]) > 1e-2
+    # Inputs in fp32 here: the kernels' error against the PyTorch reference is rounding (< 1e-4).
+    lines = [line.split() for line in out if "error against the fp32 reference" in line]
+    error = {name: [float(line[-1]) for line in lines if line[0] == name] for name in ("now", "same", "wrong")}
+    assert len(error["now"]) == 2 and max(error["now"] + error["same"]) < 1e-4
+    assert len(error["wrong"]) == 2 and min(error["wrong"]) > 1e-2
