@@ -273,12 +273,13 @@ TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.f
 
 
 @triton.jit
-def _mm(a, b, DT: tl.constexpr):
-    """a @ b, fp32 accumulation, operands cast to DT (exact fp32 dots when DT is fp32)."""
+def _mm(a, b, DT: tl.constexpr, acc=None):
+    """a @ b, fp32 accumulation, operands cast to DT (exact fp32 dots when DT is fp32); added into
+    the fp32 `acc` where given (one accumulator for a sum of products: fewer registers held)."""
     if DT == tl.float32:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        out = tl.dot(a.to(DT), b.to(DT))
+        out = tl.dot(a.to(DT), b.to(DT), acc)
     return out
 
 
@@ -830,15 +831,20 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
     h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
     k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
     g = _token_scalars(g_ptr, rows, row_ok, head, HV)
-    v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+    # v, U and P held in the inputs' dtype (the dots take them so) for the additive rule in chunks
+    # of 64: 137 -> 105 registers (ptxas, bf16 D128), four programs a SM in place of three, RLA's
+    # kernel 145 -> 121 us at B8xT2048 (H200, H16, session 38). For the delta rule (146 -> 138
+    # registers, no program more) and in chunks of 128 (255 either way) they cost 6-12 us: fp32.
+    held = DT if (not DELTA and BC == 64) else tl.float32
+    v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(held)
     G = tl.cumsum(g, axis=0)
-    P = _decayed(_mm(k, tl.trans(k), DT), G - g, G, True, BC)
+    P = _decayed(_mm(k, tl.trans(k), DT), G - g, G, True, BC).to(held)
     if STORE_Z and value_tile == 0:
         _store_rows(P_ptr, rows, row_ok, head, HV, tl.arange(0, BC), BC, P)
     if DELTA:
         U = _load_rows(U_ptr, rows, row_ok, head, HV, vcols, DV)
     else:
-        U = _token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v
+        U = (_token_scalars(strength_ptr, rows, row_ok, head, HV)[:, None] * v).to(held)
     residual = _clipped_residual(k, v, h, U, P, tl.exp(G - g), clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT,
                                  STORE_Z)
     scaled = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
@@ -947,14 +953,17 @@ def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr,
     G = G_before + tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
     U = _chunk_writes(v_ptr, strength_ptr, U_ptr, rows, row_ok, head, HV, vcols, DV, DELTA)
     attend = _causal_attend(q, k, G, BR, DT)
-    q_decayed = tl.exp(G)[:, None]
     if RESIDUAL:
+        # One accumulator: gamma scales R's chunk-start read before S's joins it (e^G is both's),
+        # and R's intra-chunk reads through gamma * attend.
+        gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
+        o = _mm(q, h, DT, gamma[:, None] * _mm(q, h_residual, DT))
+        o = tl.exp(G)[:, None] * o
         r = tl.arange(0, BR)
-        o = q_decayed * _mm(q, h, DT) + _mm(tl.where(r[:, None] > r[None, :], attend, 0.0), U, DT)
-        U_residual = _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV)
-        residual_read = q_decayed * _mm(q, h_residual, DT) + _mm(attend, U_residual, DT)
+        o = _mm(tl.where(r[:, None] > r[None, :], attend, 0.0), U, DT, o)
+        o = _mm(gamma[:, None] * attend, _load_rows(U_residual_ptr, rows, row_ok, head, HV, vcols, DV), DT, o)
     else:
-        o = q_decayed * _mm(q, h, DT) + _mm(attend, U, DT)
+        o = _mm(attend, U, DT, tl.exp(G)[:, None] * _mm(q, h, DT))
     G_key = 0.0  # the earlier blocks' reads: every row before this block, unmasked
     for earlier in tl.static_range(BC // BR - 1):
         if earlier < block:
@@ -965,14 +974,11 @@ def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr,
             G_key += tl.sum(g_key, axis=0)
             keys = _load_rows(k_ptr, key_rows, key_ok, head // GROUP, HV // GROUP, kcols, DK)
             earlier_attend = tl.exp(G[:, None] - G_keys[None, :]) * _mm(q, tl.trans(keys), DT)
-            o += _mm(earlier_attend, _chunk_writes(v_ptr, strength_ptr, U_ptr, key_rows, key_ok, head, HV, vcols,
-                                                   DV, DELTA), DT)
+            o = _mm(earlier_attend, _chunk_writes(v_ptr, strength_ptr, U_ptr, key_rows, key_ok, head, HV, vcols, DV,
+                                                  DELTA), DT, o)
             if RESIDUAL:
-                residual_read += _mm(earlier_attend, _load_rows(U_residual_ptr, key_rows, key_ok, head, HV, vcols,
-                                                                DV), DT)
-    if RESIDUAL:
-        gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
-        o = o + gamma[:, None] * residual_read
+                o = _mm(gamma[:, None] * earlier_attend, _load_rows(U_residual_ptr, key_rows, key_ok, head, HV, vcols,
+                                                                    DV), DT, o)
     _store_rows(o_ptr, rows, row_ok, head, HV, vcols, DV, scale * o)
 
 
