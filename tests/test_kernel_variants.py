@@ -29,12 +29,16 @@ def test_check_tells_a_changed_kernel_from_a_copy(tmp_path, capsys):
                           "--dim", "32", "--repeats", "1", "--variant", f"now={kernels}",
                           "--variant", f"same={tmp_path / 'same.py'}", "--variant", f"wrong={tmp_path / 'wrong.py'}"])
     out = capsys.readouterr().out.splitlines()
-    lines = [line.split() for line in out if "differs from now" in line]
-    difference = {name: [float(line[-1]) for line in lines if line[0] == name] for name in ("same", "wrong")}
+
+    def figures(phrase, names):
+        """The number ending each printed line that holds `phrase`, by variant name."""
+        lines = [line.split() for line in out if phrase in line]
+        return {name: [float(line[-1]) for line in lines if line[0] == name] for name in names}
+
+    difference = figures("differs from now", ("same", "wrong"))
     assert difference["same"] == [0.0, 0.0]  # gdn and rdn
     assert len(difference["wrong"]) == 2 and min(difference["wrong"]) > 1e-2
     # Inputs in fp32 here: the kernels' error against the PyTorch reference is rounding (< 1e-4).
-    lines = [line.split() for line in out if "error against the fp32 reference" in line]
-    error = {name: [float(line[-1]) for line in lines if line[0] == name] for name in ("now", "same", "wrong")}
+    error = figures("error against the fp32 reference", ("now", "same", "wrong"))
     assert len(error["now"]) == 2 and max(error["now"] + error["same"]) < 1e-4
     assert len(error["wrong"]) == 2 and min(error["wrong"]) > 1e-2
