@@ -1128,6 +1128,29 @@ def writes_launch(chunk_size, BV_full, warps):
     return min(BV_full, 64), warps
 
 
+def register_cap(kernel, delta, residual, BK, fp32):
+    """The register cap (ptxas's `maxnreg`) that `kernel` launches with, None for none: where a cap
+    lets one more 4-warp program onto a SM (<= 128 registers: four, <= 168: three) and was timed
+    to pay, spills and all. H200, H16 D128 bf16, B2xT8192 / B8xT2048, us (session 39):
+    - the delta rule's writes kernel at 128 (146 -> 128 registers, 48 B spilled; 136 -> 128 with
+      z stored, 8 B): RDN's 153 -> 142 / 154 -> 144, its backward's recompute 184 -> 166;
+    - the values-gradient kernel at 168 (the delta rule's 255 -> 168, 164-200 B spilled; RLA's
+      198 -> 168, 20 B): rdn 497 -> 453, rla 244 -> 216, gdn 226 -> 197 (sGLA's, at 96, untimed);
+    - RDN's local-grad kernel at 168 (179 -> 168, 8 B): 124 -> 112;
+    - RDN's residual-grad kernel at 128 (130 -> 108, none spilled): 138 -> 123.
+    Caps that lost: RLA's residual-grad kernel at 128 (80 -> 83 registers, 104 -> 112 us: a cap
+    moves ptxas's allocation even below it, so none goes where it was not timed), RLA's writes
+    kernel in chunks of 128 (255 -> 128, 608-748 B spilled, session 37). Only at key tiles of 128
+    in bf16 / fp16, the sizes timed: fp32 and wider heads hold more, smaller ones less."""
+    if BK != 128 or fp32:
+        return None
+    caps = {_chunk_residual_writes_kernel: 128 if delta else None,
+            _chunk_grad_values_kernel: 168 if delta or residual else None,
+            _chunk_local_grad_kernel: 168 if delta and residual else None,
+            _chunk_residual_grad_kernel: 128 if delta else None}
+    return caps.get(kernel)
+
+
 def _fresh_state(like):
     """An unwritten fp32 state shaped as `like`, for a pass that reads its initial state from
     `like` and writes its final one here: no copy of the initial state first (H200, H16 D128,
@@ -1254,7 +1277,7 @@ class _ChunkRun:
             self.v if adds_to_state else writes, self.U_residual, self.h_residual, *self.tables, self.clip,
             **self.shape, BC=self.chunk_size, BK=self.BK, BV=BV, DT=self.DT, DELTA=self.delta,
             ADDS_TO_STATE=adds_to_state, STORE_Z=store_z, VARLEN=self.layout.varlen, num_warps=warps,
-            num_stages=self.stages)
+            num_stages=self.stages, maxnreg=self.register_cap(_chunk_residual_writes_kernel))
         return writes
 
     def fuse_residual_passes(self):
@@ -1313,6 +1336,10 @@ class _ChunkRun:
             BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
             W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both, STORE_Z=store_z, VARLEN=varlen,
             num_warps=self.warps, num_stages=state_pass_stages(self.stages, self.state_tile()))
+
+    def register_cap(self, kernel):
+        """`register_cap` for this call's rule, head size and dtype."""
+        return register_cap(kernel, self.delta, self.residual, self.BK, self.DT == tl.float32)
 
     def scans_states(self):
         """Whether the additive rule's state passes run as every chunk's own writes at once, then a
@@ -1987,7 +2014,7 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         _chunk_local_grad_kernel[(_cdiv(Dv, local_tile), layout.num_chunks, HV)](
             run.q, run.k, run.g, read_gate, do, dh_next_residual if residual else dh_next, dU, dU_residual,
             *run.tables, scale, **run.shape, BV=local_tile, **common, STATE_PART=state_part_after,
-            num_warps=run.warps)
+            num_warps=run.warps, maxnreg=run.register_cap(_chunk_local_grad_kernel))
 
     if not state_part_after:
         local_grad()
@@ -2010,7 +2037,7 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
         _chunk_residual_grad_kernel[(_cdiv(Dv, BV), layout.num_chunks, HV)](
             run.gamma_write, run.X_residual, run.P, run.z, dU_residual, dz, dU, *run.tables, layout.T,
             layout.NT, HV, Dv, BC=chunk_size, BV=BV, DT=run.DT, DELTA=run.delta, VARLEN=layout.varlen,
-            num_warps=run.warps)
+            num_warps=run.warps, maxnreg=run.register_cap(_chunk_residual_grad_kernel))
     reverse_pass(dS, dS0, dh_next, dU, run.W, gated_read=False, pred=residual)
     # dq, dk and dv are stored in their inputs' dtypes (the one rounding a cast would make), but dq
     # and dk in fp32 where a key head serves several value heads: their shares are summed first.
@@ -2038,7 +2065,8 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
             run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dh_next, dU, dU_residual,
             dz, dk_keys, parts, dX_parts, dk, dv, dg, dbeta, dgamma, dgamma_write, *run.tables, clip, **run.shape,
             L=L, KEY_TILES=key_tiles, **common, DELTA=run.delta, STATE_PART=state_part_after and residual,
-            SIDE=side, BV=min(run.BV_full, 64), num_warps=GRAD_VALUES_WARPS, num_stages=2)
+            SIDE=side, BV=min(run.BV_full, 64), num_warps=GRAD_VALUES_WARPS, num_stages=2,
+            maxnreg=run.register_cap(_chunk_grad_values_kernel))
     group = lambda x: x.view(L, H, HV // H, Dk).sum(2) if grouped else x  # noqa: E731  a key head's value heads
     shaped = lambda x, like: x.reshape(like.shape).to(like.dtype)  # noqa: E731
     grads = (shaped(group(dq), q), shaped(group(dk), k), shaped(dv, v), shaped(dg, g), shaped(dbeta, beta))

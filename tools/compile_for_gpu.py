@@ -113,7 +113,7 @@ def launches(BK, BV_full, delta, residual, fp32):
     ]
 
 
-def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages, head_size):
+def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages, head_size, maxnreg=None):
     """Specialised as a launch specialises (16-byte aligned pointers, integers that are multiples
     of 16 marked so, integers equal to 1 made constants), for B2 x T4096, H = HV = 16: the
     specialisation changes the tiles' layouts, and with them the shared memory."""
@@ -133,17 +133,18 @@ def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages, head_si
         else:
             signature[name] = "fp32" if name in ("scale", "clip") else "i64" if name == "T" else "i32"
     aligned = [name for name in params if name.endswith("_ptr") or sizes.get(name, 1) % 16 == 0 and name in sizes]
-    return compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages)
+    return compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages, maxnreg)
 
 
-def compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages):
+def compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages, maxnreg=None):
+    """`maxnreg`: the launch's register cap, None for none."""
     params = list(inspect.signature(fn.kernel.fn).parameters)
     source = ASTSource(fn=fn.kernel, signature=signature,
                        constexprs={(params.index(name),): value for name, value in constexprs.items()},
                        attrs={(params.index(name),): [["tt.divisibility", 16]] for name in aligned
                               if name not in constexprs})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})
 
 
 # The fused layer kernels: activations in the input dtype, fp32 weights (autocast keeps the
@@ -254,7 +255,9 @@ def main():
                                  f"{' chunks of ' + str(constexprs['BC']) if constexprs.get('BC', 64) != 64 else ''}")
                         start = time.time()
                         try:
-                            compiled = compile_variant(fn, constexprs, pointer_type, warps, stages, head_size)
+                            maxnreg = kernels.register_cap(fn, delta, residual, head_size, dtype == "fp32")
+                            compiled = compile_variant(fn, constexprs, pointer_type, warps, stages, head_size,
+                                                       maxnreg)
                         except Exception as error:  # report every variant, then fail
                             failures += 1
                             print(f"{label}: does not compile: {str(error).splitlines()[0][:300]}", flush=True)
