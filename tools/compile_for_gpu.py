@@ -6,6 +6,12 @@ Device time is scarce: this catches compile errors and shared-memory overflows b
 Register spills are only reported when a kernel is loaded on a GPU.
 
     python tools/compile_for_gpu.py [--head-sizes 64 128 256] [--dtypes bf16 fp32] [--registers] [--layers-only]
+    python tools/compile_for_gpu.py --head-sizes 128 --dtypes bf16 --registers --cap _chunk_wy_kernel=168
+
+`--cap KERNEL=N` compiles that kernel's every variant at N registers (ptxas's maxnreg) in place
+of the launch's own cap (`kernels_reslin_triton.register_cap`): what a cap would spill, before
+a GPU call times it. A 4-warp program on an H200 runs four to a SM at <= 128 registers, three
+at <= 168, two at <= 256, and as many as its shared memory allows (232448 B a SM).
 
 The launch configurations (tiles, warps) are those kernels_reslin_triton's host code chooses for
 large batches (keep `launches` in step with it); the pipelining depths are its own
@@ -219,7 +225,15 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
     parser.add_argument("--registers", action="store_true", help="also ptxas's registers and spills per variant")
     parser.add_argument("--layers-only", action="store_true", help="only the fused layer kernels")
+    parser.add_argument("--cap", action="append", default=[], metavar="KERNEL=N",
+                        help="compile KERNEL (e.g. _chunk_wy_kernel) at N registers, in place of its launch's cap")
     args = parser.parse_args()
+    caps = {}
+    for cap in args.cap:
+        name, _, limit = cap.partition("=")
+        if not hasattr(kernels, name) or not limit.isdigit():
+            parser.error(f"--cap wants KERNEL=N with a kernel of kernels_reslin_triton, got {cap!r}")
+        caps[getattr(kernels, name)] = int(limit)
     failures = 0
     for dtype in args.dtypes:
         DT, pointer_type = DTYPES[dtype]
@@ -255,7 +269,8 @@ def main():
                                  f"{' chunks of ' + str(constexprs['BC']) if constexprs.get('BC', 64) != 64 else ''}")
                         start = time.time()
                         try:
-                            maxnreg = kernels.register_cap(fn, delta, residual, head_size, dtype == "fp32")
+                            maxnreg = caps.get(fn, kernels.register_cap(fn, delta, residual, head_size,
+                                                                        dtype == "fp32"))
                             compiled = compile_variant(fn, constexprs, pointer_type, warps, stages, head_size,
                                                        maxnreg)
                         except Exception as error:  # report every variant, then fail
