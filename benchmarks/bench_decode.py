@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from common import RULES, import_fla, print_header, rule_inputs
+from common import RULES, graph_replay, import_fla, print_header, rule_inputs
 from kernels_reslin import reslin_decode_step
 
 
@@ -38,20 +38,6 @@ def per_call(fn, steps):
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps
-
-
-def graph_replay(fn):
-    """`fn` captured once in a CUDA graph; the returned callable replays it."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compile and warm up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main():

@@ -40,9 +40,17 @@ against whichever pick a run's one tuning made. Without it the goal is judged ag
 median round, and the last column gives the ratio against FLA's fastest round of the run too:
 FLA's host-bound calls vary between rounds by more than some goals' margins.
 
+With --graphs every timed call, ours and FLA's, is captured once in a CUDA graph after its
+warm-up and timed by replaying it (common.graph_replay): the host's time leaves both sides, so
+that FLA's call is timed at its GPU-bound speed whatever the host. On the H200 machine FLA's
+calls are partly bound by a host whose speed differs between machine starts (its delta rule's
+training call at B2 x T8192 took 2.322 to 3.721 ms in sessions 26-39): without graphs a slow
+host flatters the ratios. A call that cannot be captured is timed eagerly, and a
+line says so.
+
     python benchmarks/bench_forward.py [--shapes 8x2048 2x8192 1x32768] [--heads 16] [--dim 128]
                                        [--rules ...] [--backend triton|torch] [--repeats 10]
-                                       [--rounds 3] [--retune-fla]
+                                       [--rounds 3] [--retune-fla | --graphs]
     python benchmarks/bench_forward.py --backward   # shapes default to 8x2048 2x8192
     python benchmarks/bench_forward.py --smoke [--backward]   # tiny sizes; runs on a CPU (Triton interpreter, fp32)
 """
@@ -53,7 +61,8 @@ import statistics
 
 import torch
 
-from common import RULES, import_fla, lift_fla_backward_guard, median_ms, print_header, retune_fla, rule_inputs
+from common import (DEVICE, RULES, graph_replay, import_fla, lift_fla_backward_guard, median_ms, print_header,
+                    retune_fla, rule_inputs)
 from kernels_reslin import reslin_attention
 
 GOALS = {"gdn": 1.0, "kla": 1.0, "sgla": 1.0, "rla": 1.6, "rdn": 1.6, "rkla": None}
@@ -108,6 +117,17 @@ def rule_calls(fla, rule, B, T, H, D, backend, backward):
     return ours, (name, forward_backward(call, inputs, weight) if backward else call)
 
 
+def captured(name, call):
+    """`call` replayed from a CUDA graph, or `call` itself, with a line saying why, where it cannot
+    be captured."""
+    try:
+        return graph_replay(call)
+    except Exception as error:  # a call that syncs with the host, say: timed eagerly, and said so
+        print(f"{name}: not captured in a CUDA graph ({type(error).__name__}: {str(error).splitlines()[0][:200]});"
+              " timed eagerly", flush=True)
+        return call
+
+
 def parse_shape(text):
     B, T = text.lower().split("x")
     return int(B), int(T)
@@ -126,8 +146,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=3, help="timings of every call, interleaved")
     parser.add_argument("--retune-fla", action="store_true",
                         help="tune FLA's kernels afresh every round and take FLA's fastest round")
+    parser.add_argument("--graphs", action="store_true",
+                        help="time every call, ours and FLA's, replayed from a CUDA graph (no host time)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script itself")
     args = parser.parse_args()
+    if args.graphs and DEVICE != "cuda":
+        parser.error("--graphs needs a CUDA device")
+    if args.graphs and args.retune_fla:
+        parser.error("--graphs fixes FLA's tuning at the capture: it cannot retune every round")
     if args.shapes is None:
         args.shapes = BACKWARD_SHAPES if args.backward else SHAPES
     if args.smoke:
@@ -144,6 +170,8 @@ def main():
           "over the rounds beside each figure, ours and FLA's (host-bound calls vary)")
     if args.retune_fla:
         print("FLA's kernels tuned afresh every round; FLA's figure is its fastest round")
+    if args.graphs:
+        print("every call, ours and FLA's, replayed from a CUDA graph: the host's time left out of both")
     if note:
         print(note)
     print(f"{'rule':5} {'shape':>9} {'ours ms':>9} {'ours range':>15}   {'FLA baseline':22} {'FLA ms':>8} "
@@ -156,6 +184,9 @@ def main():
             for _, fla_call in calls.values():
                 if fla_call is not None:
                     baselines.setdefault(*fla_call)
+            if args.graphs:
+                calls = {rule: (captured(rule, ours), fla_call) for rule, (ours, fla_call) in calls.items()}
+                baselines = {name: captured(name, call) for name, call in baselines.items()}
             times = {name: [] for name in (*calls, *baselines)}
             for _ in range(args.rounds):
                 if args.retune_fla and fla is not None:

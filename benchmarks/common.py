@@ -128,6 +128,22 @@ def synchronize():
         torch.cuda.synchronize()
 
 
+def graph_replay(fn):
+    """`fn` captured once in a CUDA graph; the returned callable replays it. Its warm-up calls
+    (compilation, autotuning: neither may run inside a capture) run before, on the capture's
+    side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def median_ms(fn, repeats=10, warmup=2):
     """Median time of one call in ms after `warmup` calls (the first compile and autotune). On a
     GPU each call is timed by CUDA events, queued back to back, so the host's time is hidden

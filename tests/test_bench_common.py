@@ -74,3 +74,40 @@ def test_bench_forward_judges_the_median_round_and_gives_the_fastest_round_besid
     monkeypatch.setattr(sys, "argv", ["bench_forward.py", "--rules", "gdn", "--shapes", "1x64", "--retune-fla"])
     bench_forward.main()
     assert capsys.readouterr().out.splitlines()[-1].split()[-5:] == ["1.80x", "<=", "1.0x", "NOT", "met"]
+
+
+def test_bench_forward_with_graphs_replays_every_call_and_refuses_what_it_cannot_do(monkeypatch, capsys):
+    """--graphs times ours and FLA's calls replayed from CUDA graphs (a call that cannot be
+    captured is timed eagerly, and a line says so); it needs CUDA and cannot retune FLA."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_forward
+
+    ours_call, fla_call = object(), object()
+    graphed = {ours_call: object(), fla_call: object()}
+    rounds = {graphed[ours_call]: iter([1.0, 1.0, 1.0]), graphed[fla_call]: iter([0.5, 0.5, 0.5])}
+    monkeypatch.setattr(bench_forward, "DEVICE", "cuda")
+    monkeypatch.setattr(bench_forward, "import_fla", lambda: types.SimpleNamespace())
+    monkeypatch.setattr(bench_forward, "rule_calls", lambda *args: (ours_call, ("chunk_baseline", fla_call)))
+    monkeypatch.setattr(bench_forward, "graph_replay", lambda call: graphed[call])
+    monkeypatch.setattr(bench_forward, "median_ms", lambda call, repeats: next(rounds[call]))
+    monkeypatch.setattr(sys, "argv", ["bench_forward.py", "--rules", "gdn", "--shapes", "1x64", "--graphs"])
+    bench_forward.main()
+    out = capsys.readouterr().out
+    assert "replayed from a CUDA graph" in out
+    assert out.splitlines()[-1].split()[-6:] == ["2.00x", "<=", "1.0x", "NOT", "met", "2.00x"]
+
+    def refuses(call):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    rounds = {ours_call: iter([1.0, 1.0, 1.0]), fla_call: iter([0.5, 0.5, 0.5])}
+    monkeypatch.setattr(bench_forward, "graph_replay", refuses)
+    bench_forward.main()
+    out = capsys.readouterr().out
+    assert "gdn: not captured in a CUDA graph (RuntimeError: operation not permitted" in out
+    assert "chunk_baseline: not captured in a CUDA graph" in out
+    assert out.splitlines()[-1].split()[2] == "1.000"
+
+    for argv, device in ((["--graphs", "--retune-fla"], "cuda"), (["--graphs"], "cpu")):
+        monkeypatch.setattr(bench_forward, "DEVICE", device)
+        monkeypatch.setattr(sys, "argv", ["bench_forward.py", *argv])
+        with pytest.raises(SystemExit):
+            bench_forward.main()
