@@ -22,6 +22,9 @@
 #   convert      the conversion test against FLA's GPU kernels (300)
 #   forward      benchmarks/bench_forward.py (240)
 #   backward     benchmarks/bench_forward.py --backward (420)
+#   forward-graphs   bench_forward.py --graphs: ours and FLA's calls replayed from CUDA graphs (240)
+#   backward-graphs  bench_forward.py --backward --graphs (570; the eager job took 367 s in session 39,
+#                and 3 rules with graphs printed no row in 250 s in session 40: a call of its own)
 #   kernels      benchmarks/kernel_times.py, forward and backward (300)
 #   variants     benchmarks/kernel_variants.py --backward: this tree's kernels file beside every copy in
 #                scratch/variants/*.py (carry scratch), each compiled first in a process of its own; more
@@ -60,7 +63,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|tests-kernels|tests-graphs|tests-others|suite|layers|convert|forward|backward|kernels|variants|variants-forward|decode|generate|training|compile|prefill|context|ddp|compare) ;;
+    tests|tests-kernels|tests-graphs|tests-others|suite|layers|convert|forward|backward|forward-graphs|backward-graphs|kernels|variants|variants-forward|decode|generate|training|compile|prefill|context|ddp|compare) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -77,6 +80,8 @@ for name in "$@"; do
     convert) job convert 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_convert.py -k gpu_bf16 ;;
     forward) job forward 240 python3 benchmarks/bench_forward.py ;;
     backward) job backward 420 python3 benchmarks/bench_forward.py --backward ;;
+    forward-graphs) job forward-graphs 240 python3 benchmarks/bench_forward.py --graphs ;;
+    backward-graphs) job backward-graphs 570 python3 benchmarks/bench_forward.py --backward --graphs ;;
     kernels) job kernels 300 bash -c "python3 benchmarks/kernel_times.py && python3 benchmarks/kernel_times.py --backward --shapes 8x2048" ;;
     # A copy's first compile takes ~30-60 s: all of them at once on tiny shapes, then the timing.
     variants|variants-forward)
