@@ -45,8 +45,7 @@ warm-up and timed by replaying it (common.graph_replay): the host's time leaves 
 that FLA's call is timed at its GPU-bound speed whatever the host. On the H200 machine FLA's
 calls are partly bound by a host whose speed differs between machine starts (its delta rule's
 training call at B2 x T8192 took 2.322 to 3.721 ms in sessions 26-39): without graphs a slow
-host flatters the ratios. A call that cannot be captured is timed eagerly, and a
-line says so.
+host flatters the ratios. A call that cannot be captured is timed eagerly, and a line says so.
 
     python benchmarks/bench_forward.py [--shapes 8x2048 2x8192 1x32768] [--heads 16] [--dim 128]
                                        [--rules ...] [--backend triton|torch] [--repeats 10]
