@@ -651,7 +651,8 @@ def _chunk_decay(G_ptr, start, rows, row_ok, end, head, HV, BC: tl.constexpr):
     """A sequential pass's chunk decays, G and G at the chunk's last real row: loads of the G that
     the WY kernel (delta rule) or the decay kernel (additive rule) stored, so that no scan sits
     on the loop's chain (rows past the sequence load 0, where every write is 0). RLA's fused
-    pass loads its decays with its gates as one tile instead (`_load_pass_factors`)."""
+    pass loads its decays with its gates as one tile instead (`_load_pass_factors`); the additive
+    rule's pass over many programs scans g (`_ChunkRun.pass_scans_decays`)."""
     return _token_scalars(G_ptr, rows, row_ok, head, HV), tl.load(G_ptr + (tl.minimum(start + BC, end) - 1) * HV + head)
 
 
@@ -672,7 +673,7 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
                         cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
                         W_FROM_INVERSE: tl.constexpr, BOTH_STATES: tl.constexpr, STORE_Z: tl.constexpr,
-                        VARLEN: tl.constexpr):
+                        SCAN_G: tl.constexpr, VARLEN: tl.constexpr):
     """Chunk after chunk of one (sequence, value head, value tile) of one state: stores the
     chunk-start states h and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed
     where read), then S = e^(G_last) h + (e^(G_last - G) K)^T U, from the initial state at S0_ptr
@@ -683,7 +684,8 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
     and R_ptr as S0_ptr and S_ptr; the gates and decays as factors (`_chunk_pass_factors_kernel`).
     Every step is separable by value column, so a program owns the same value tile of S and R.
     With W_FROM_INVERSE W_ptr holds T^-1, and W h = T^-1 diag(b e^G) (K h) is formed from it and
-    the chunk's keys."""
+    the chunk's keys. With SCAN_G (additive rule) G_ptr holds g, scanned every chunk, in place of
+    the stored G (`_ChunkRun.pass_scans_decays`)."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -707,7 +709,10 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
             k = _load_rows(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
             k_t = tl.trans(k)
         else:
-            G, G_last = _chunk_decay(G_ptr, start, rows, row_ok, eos, head, HV, BC)
+            if SCAN_G:
+                G, G_last, _ = _scanned_chunk_decay(G_ptr, rows, row_ok, head, HV)
+            else:
+                G, G_last = _chunk_decay(G_ptr, start, rows, row_ok, eos, head, HV, BC)
             decay, to_end = tl.exp(G_last), tl.exp(G_last - G)
             k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         if DELTA:
@@ -1328,14 +1333,25 @@ class _ChunkRun:
         final states), RLA's R advanced with S in the same pass (h_R, R's writes and, with store_z,
         z stored)."""
         both = residual_states is not None
-        G = self.g if both else self.cumulative_decays(scan=False)  # RLA's fused pass reads its factors
+        scan = not both and self.pass_scans_decays()
+        G = self.g if both else self.cumulative_decays(scan=scan)  # RLA's fused pass reads its factors
         _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
             self.k, v, G, strength, W, U0, U, h, initial, final,
             self.P, self.row_factors, self.chunk_factors, self.z, self.U_residual, self.h_residual,
             *(residual_states if both else (initial, final)), cu_seqlens, chunk_offsets, self.clip, **self.shape,
             BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
-            W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both, STORE_Z=store_z, VARLEN=varlen,
-            num_warps=self.warps, num_stages=state_pass_stages(self.stages, self.state_tile()))
+            W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both, STORE_Z=store_z, SCAN_G=scan,
+            VARLEN=varlen, num_warps=self.warps, num_stages=state_pass_stages(self.stages, self.state_tile()))
+
+    def pass_scans_decays(self):
+        """Whether the additive rule's state pass scans g itself every chunk instead of loading the G
+        that `_chunk_decay_kernel` stores: from 128 sequence-heads, where the pass runs programs
+        enough to hide the scan, and only while no G is stored. The forward's decay kernel is then
+        not launched (H200, H16 D128, session 41, us of kernels: sGLA's forward at B8xT2048 208 ->
+        205, the pass equal at 79; RLA's 477 -> 473). At 32 sequence-heads the scan sits on the
+        loop's chain: the pass 85 -> 101 at B2xT8192."""
+        sequence_heads = self.layout.num_sequences * self.shape["HV"]
+        return not self.delta and self.G is None and sequence_heads >= 128
 
     def register_cap(self, kernel):
         """`register_cap` for this call's rule, head size and dtype."""
