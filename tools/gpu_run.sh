@@ -30,6 +30,13 @@
 #                scratch/variants/*.py (carry scratch), each compiled first in a process of its own; more
 #                kernel_variants options in $VARIANTS_ARGS ("--rules rla rdn --heads 16", say) (540)
 #   variants-forward  the same without --backward: for copies whose backward does not compile (540)
+#   variants-graphs  bench_forward.py --graphs with this tree's kernels file, then each copy in
+#                scratch/variants/*.py in its place in turn, then this tree's again (what bench_forward
+#                replays is the kernels file it imports, so copies take turns in it; the file is put
+#                back at the end); every copy compiled first, all at once on tiny shapes; more
+#                bench_forward options in $GRAPHS_ARGS ("--rules sgla rla --shapes 8x2048", "--backward")
+#                (540). Session 41's PDL gains showed replayed only: kernel_variants times kernels
+#                and eager calls.
 #   decode       benchmarks/bench_decode.py (180)
 #   generate     benchmarks/bench_generate.py (600)
 #   training     benchmarks/bench_training.py (600)
@@ -63,7 +70,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|tests-kernels|tests-graphs|tests-others|suite|layers|convert|forward|backward|forward-graphs|backward-graphs|kernels|variants|variants-forward|decode|generate|training|compile|prefill|context|ddp|compare) ;;
+    tests|tests-kernels|tests-graphs|tests-others|suite|layers|convert|forward|backward|forward-graphs|backward-graphs|kernels|variants|variants-forward|variants-graphs|decode|generate|training|compile|prefill|context|ddp|compare) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -96,6 +103,24 @@ for name in "$@"; do
       wait
       python3 benchmarks/kernel_variants.py '"$passes"' ${VARIANTS_ARGS:-} --variant main=kernels_reslin_triton.py \
         $(for file in "${files[@]}"; do echo --variant "$(basename "$file" .py)=$file"; done)' ;;
+    variants-graphs) job variants-graphs 540 bash -c '
+      files=(scratch/variants/*.py)
+      [ -e "${files[0]}" ] || { echo "no scratch/variants/*.py"; exit 2; }
+      main=$(mktemp --suffix=.py)
+      cp kernels_reslin_triton.py "$main"
+      trap "cp \"$main\" kernels_reslin_triton.py" EXIT
+      for file in "$main" "${files[@]}"; do
+        python3 benchmarks/kernel_variants.py --variant "warm=$file" --shapes 8x256 2x256 --heads 16 --repeats 1 \
+          >/dev/null 2>&1 &
+      done
+      wait
+      for file in "$main" "${files[@]}" "$main"; do
+        name=$(basename "$file" .py)
+        [ "$file" = "$main" ] && name=main
+        cp "$file" kernels_reslin_triton.py
+        echo "== $name"
+        python3 benchmarks/bench_forward.py --graphs ${GRAPHS_ARGS:-}
+      done' ;;
     decode) job decode 180 python3 benchmarks/bench_decode.py ;;
     generate) job generate 600 python3 benchmarks/bench_generate.py ;;
     training) job training 600 python3 benchmarks/bench_training.py ;;
