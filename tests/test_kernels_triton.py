@@ -365,6 +365,17 @@ def test_delta_state_passes_from_inverse_or_w_match_reference(name, update, resi
     assert_gradients_match_reference(x, update, residual, cu_seqlens)
 
 
+def decays_asked_for(monkeypatch):
+    """A list that records the `scan` argument of every `_ChunkRun.cumulative_decays` call: whether
+    a state pass scans g itself (True) or asks for the stored G (False)."""
+    asked = []
+    for module in kernels_modules():
+        monkeypatch.setattr(module._ChunkRun, "cumulative_decays",
+                            lambda run, scan, original=module._ChunkRun.cumulative_decays:
+                            asked.append(scan) or original(run, scan))
+    return asked
+
+
 @pytest.mark.parametrize("scan", [True, False], ids=["scans_g", "loads_G"])
 @pytest.mark.parametrize("case,decay", [(GRAD_CASES[0], 1), (GRAD_CASES[1], 1), ((1, 200, 1, 2, 16, 16, None), 8)],
                          ids=["batch", "varlen", "strong_decay"])
@@ -377,14 +388,11 @@ def test_additive_state_pass_scanning_or_loading_decays_matches_reference(name, 
     relative error <= 1e-5 in fp32 (the final states of the forward without gradients, in chunks of
     128 here, 5e-5 with 8x the decay, as in test_chunked_forward_in_chunks_of_128_matches_reference);
     and that forward asks for the stored G only when the pass loads it."""
-    asked = []
+    asked = decays_asked_for(monkeypatch)
     for module in kernels_modules():
         monkeypatch.setattr(module._ChunkRun, "pass_scans_decays", lambda run: scan)
         monkeypatch.setattr(module._ChunkRun, "scans_states", lambda run: False)
         monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: False)
-        monkeypatch.setattr(module._ChunkRun, "cumulative_decays",
-                            lambda run, scan, original=module._ChunkRun.cumulative_decays:
-                            asked.append(scan) or original(run, scan))
     x, cu_seqlens = case_inputs(case, residual, kaczmarz)
     x["g"] = x["g"] * decay
     assert_forward_matches_reference(x, update, residual, cu_seqlens, states_bound=5e-5 if decay > 1 else 1e-5)
@@ -395,11 +403,7 @@ def test_additive_state_pass_scanning_or_loading_decays_matches_reference(name, 
 @pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "additive"])
 def test_additive_state_pass_scans_decays_from_128_sequence_heads(name, update, residual, kaczmarz, monkeypatch):
     """Unforced: 64 sequence-heads load G, 128 scan g (both in the sequential state pass)."""
-    asked = []
-    for module in kernels_modules():
-        monkeypatch.setattr(module._ChunkRun, "cumulative_decays",
-                            lambda run, scan, original=module._ChunkRun.cumulative_decays:
-                            asked.append(scan) or original(run, scan))
+    asked = decays_asked_for(monkeypatch)
     for B in (1, 2):
         x = on_device(make_inputs(B, 3, 64, 64, 16, 16, residual, kaczmarz=kaczmarz))
         with torch.no_grad():

@@ -74,6 +74,17 @@ for name in "$@"; do  # every name checked before any job runs
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
+# Each kernels-file copy compiles for ~30-60 s at its first call: all of them at once, on tiny shapes,
+# before any timing. warm_copies "KERNEL_VARIANTS_OPTIONS" FILE...
+warm_copies() {
+  local options=$1 file
+  shift
+  for file in "$@"; do
+    python3 benchmarks/kernel_variants.py $options --variant "warm=$file" --repeats 1 >/dev/null 2>&1 &
+  done
+  wait
+}
+export -f warm_copies
 summary=()
 for name in "$@"; do
   case $name in
@@ -90,17 +101,13 @@ for name in "$@"; do
     forward-graphs) job forward-graphs 240 python3 benchmarks/bench_forward.py --graphs ;;
     backward-graphs) job backward-graphs 570 python3 benchmarks/bench_forward.py --backward --graphs ;;
     kernels) job kernels 300 bash -c "python3 benchmarks/kernel_times.py && python3 benchmarks/kernel_times.py --backward --shapes 8x2048" ;;
-    # A copy's first compile takes ~30-60 s: all of them at once on tiny shapes, then the timing.
     variants|variants-forward)
       passes=--backward
       [ "$name" = variants-forward ] && passes=
       job "$name" 540 bash -c '
       files=(scratch/variants/*.py)
       [ -e "${files[0]}" ] || { echo "no scratch/variants/*.py"; exit 2; }
-      for file in "${files[@]}"; do
-        python3 benchmarks/kernel_variants.py '"$passes"' --variant "warm=$file" --shapes 1x256 --repeats 1 >/dev/null 2>&1 &
-      done
-      wait
+      warm_copies "'"$passes"' --shapes 1x256" "${files[@]}"
       python3 benchmarks/kernel_variants.py '"$passes"' ${VARIANTS_ARGS:-} --variant main=kernels_reslin_triton.py \
         $(for file in "${files[@]}"; do echo --variant "$(basename "$file" .py)=$file"; done)' ;;
     variants-graphs) job variants-graphs 540 bash -c '
@@ -109,11 +116,7 @@ for name in "$@"; do
       main=$(mktemp --suffix=.py)
       cp kernels_reslin_triton.py "$main"
       trap "cp \"$main\" kernels_reslin_triton.py" EXIT
-      for file in "$main" "${files[@]}"; do
-        python3 benchmarks/kernel_variants.py --variant "warm=$file" --shapes 8x256 2x256 --heads 16 --repeats 1 \
-          >/dev/null 2>&1 &
-      done
-      wait
+      warm_copies "--shapes 8x256 2x256 --heads 16" "$main" "${files[@]}"
       for file in "$main" "${files[@]}" "$main"; do
         name=$(basename "$file" .py)
         [ "$file" = "$main" ] && name=main
