@@ -673,7 +673,7 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
                         cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
                         W_FROM_INVERSE: tl.constexpr, BOTH_STATES: tl.constexpr, STORE_Z: tl.constexpr,
-                        SCAN_G: tl.constexpr, VARLEN: tl.constexpr):
+                        SCAN_G: tl.constexpr, LAUNCHES_DEPENDENTS: tl.constexpr, VARLEN: tl.constexpr):
     """Chunk after chunk of one (sequence, value head, value tile) of one state: stores the
     chunk-start states h and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed
     where read), then S = e^(G_last) h + (e^(G_last - G) K)^T U, from the initial state at S0_ptr
@@ -685,7 +685,8 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
     Every step is separable by value column, so a program owns the same value tile of S and R.
     With W_FROM_INVERSE W_ptr holds T^-1, and W h = T^-1 diag(b e^G) (K h) is formed from it and
     the chunk's keys. With SCAN_G (additive rule) G_ptr holds g, scanned every chunk, in place of
-    the stored G (`_ChunkRun.pass_scans_decays`)."""
+    the stored G (`_ChunkRun.pass_scans_decays`). LAUNCHES_DEPENDENTS (compiled, not interpreted):
+    a kernel launched as its programmatic dependent may start once every program's loop is done."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -738,6 +739,8 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
         if BOTH_STATES:
             R = _advanced(R, k_t, decay, to_end, U_residual, DT)
         chunk += 1
+    if LAUNCHES_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(S_ptr + state_offsets, S, mask=tile_ok)
     if BOTH_STATES:
         tl.store(R_ptr + state_offsets, R, mask=tile_ok)
@@ -925,26 +928,37 @@ def _causal_attend(q, k, G, BC: tl.constexpr, DT: tl.constexpr):
     return _lower_decay(G, BC) * _mm(q, tl.trans(k), DT)
 
 
+@triton.jit
+def _chunk_start_states(h_ptr, h_residual_ptr, offsets, ok, RESIDUAL: tl.constexpr):
+    """The output kernel's chunk-start states h and h_R (h twice without the residual state)."""
+    h = tl.load(h_ptr + offsets, mask=ok, other=0.0)
+    h_residual = h
+    if RESIDUAL:
+        h_residual = tl.load(h_residual_ptr + offsets, mask=ok, other=0.0)
+    return h, h_residual
+
+
 @_Launcher
 @triton.jit
 def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr, gamma_ptr, U_residual_ptr,
                          h_residual_ptr, o_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale,
                          T, NT, HV, GROUP, DK, DV, BC: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr,
-                         VARLEN: tl.constexpr):
+                         DEPENDENT: tl.constexpr, VARLEN: tl.constexpr):
     """o = e^G (Q h) + (mask(Q K^T) e^(G_i - G_j)) U for every chunk at once, BR of its BC rows a
     program: a block of rows reads its own block of writes through the causal mask and the
     chunk's earlier blocks whole. With the residual state the base read is exclusive (a_t
-    S_{t-1}^T q_t) and R's inclusive read, scaled by gamma, is added; both share Q K^T."""
+    S_{t-1}^T q_t) and R's inclusive read, scaled by gamma, is added; both share Q K^T.
+    DEPENDENT: launched as a programmatic dependent of the state pass before it (PDL, Hopper), so
+    Q K^T is formed while that pass ends; what the pass wrote is read after `gdc_wait`
+    (`_ChunkRun.output_launched_dependent`)."""
     value_tile, row_block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     chunk, block = row_block // (BC // BR), row_block % (BC // BR)
     start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
     h_offsets, tile_ok = _state_tile(chunk * HV + head, kcols, vcols, DK, DV)
-    # The chunk-start states are loaded first, so that their latency hides behind Q K^T.
-    h = tl.load(h_ptr + h_offsets, mask=tile_ok, other=0.0)
-    if RESIDUAL:
-        h_residual = tl.load(h_residual_ptr + h_offsets, mask=tile_ok, other=0.0)
+    if not DEPENDENT:  # the chunk-start states first, so that their latency hides behind Q K^T
+        h, h_residual = _chunk_start_states(h_ptr, h_residual_ptr, h_offsets, tile_ok, RESIDUAL)
     rows = start + block * BR + tl.arange(0, BR)
     row_ok = rows < end
     q = _load_rows(q_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
@@ -956,8 +970,14 @@ def _chunk_output_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, U_ptr, h_ptr,
             earlier_rows = start + earlier * BR + tl.arange(0, BR)
             G_before += tl.sum(_token_scalars(g_ptr, earlier_rows, earlier_rows < end, head, HV), axis=0)
     G = G_before + tl.cumsum(_token_scalars(g_ptr, rows, row_ok, head, HV), axis=0)
-    U = _chunk_writes(v_ptr, strength_ptr, U_ptr, rows, row_ok, head, HV, vcols, DV, DELTA)
-    attend = _causal_attend(q, k, G, BR, DT)
+    if DEPENDENT:
+        attend = _causal_attend(q, k, G, BR, DT)
+        tl.extra.cuda.gdc_wait()
+        h, h_residual = _chunk_start_states(h_ptr, h_residual_ptr, h_offsets, tile_ok, RESIDUAL)
+        U = _chunk_writes(v_ptr, strength_ptr, U_ptr, rows, row_ok, head, HV, vcols, DV, DELTA)
+    else:
+        U = _chunk_writes(v_ptr, strength_ptr, U_ptr, rows, row_ok, head, HV, vcols, DV, DELTA)
+        attend = _causal_attend(q, k, G, BR, DT)
     if RESIDUAL:
         # One accumulator: gamma scales R's chunk-start read before S's joins it (e^G is both's),
         # and R's intra-chunk reads through gamma * attend.
@@ -1341,7 +1361,8 @@ class _ChunkRun:
             *(residual_states if both else (initial, final)), cu_seqlens, chunk_offsets, self.clip, **self.shape,
             BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
             W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both, STORE_Z=store_z, SCAN_G=scan,
-            VARLEN=varlen, num_warps=self.warps, num_stages=state_pass_stages(self.stages, self.state_tile()))
+            LAUNCHES_DEPENDENTS=self.output_launched_dependent(), VARLEN=varlen, num_warps=self.warps,
+            num_stages=state_pass_stages(self.stages, self.state_tile()))
 
     def pass_scans_decays(self):
         """Whether the additive rule's state pass scans g itself every chunk instead of loading the G
@@ -1475,12 +1496,27 @@ class _ChunkRun:
         HV, Dv = self.v.shape[1:]
         BV = output_tile(self.BK, self.BV_full)
         rows = min(self.chunk_size, OUTPUT_ROWS)
+        dependent = self.output_launched_dependent()
         _chunk_output_kernel[(_cdiv(Dv, BV), self.layout.num_chunks * (self.chunk_size // rows), HV)](
             self.q, self.k, self.v, self.g, self.beta, self.U, self.h, self.gamma if self.residual else self.g,
             self.U_residual, self.h_residual, o, *self.tables, scale, **self.shape, BC=self.chunk_size, BR=rows,
-            BK=self.BK, BV=BV, DT=self.DT, DELTA=self.delta, RESIDUAL=self.residual, VARLEN=self.layout.varlen,
-            num_warps=self.warps, num_stages=self.stages)
+            BK=self.BK, BV=BV, DT=self.DT, DELTA=self.delta, RESIDUAL=self.residual, DEPENDENT=dependent,
+            VARLEN=self.layout.varlen, num_warps=self.warps, num_stages=self.stages, launch_pdl=dependent)
         return o
+
+    def output_launched_dependent(self):
+        """Whether the output kernel is launched as a programmatic dependent of the state pass before
+        it (PDL), forming Q K^T while that pass ends: the residual rules' on CUDA from 128
+        sequence-heads. H200, H16 D128, forward replayed from CUDA graphs at B8xT2048, ms (session 42,
+        main / this / main): rdn 0.730 / 0.713 / 0.729, rla 0.483 / 0.477 / 0.483; sGLA 0.208 / 0.211 /
+        0.209, gdn 0.352 / 0.353 / 0.353, which stay independent (a copy forming the additive rule's
+        writes before the wait too: sGLA 0.204 in session 41's run, 0.213 in session 42's). At
+        B2xT8192 (32 sequence-heads) it lost: sGLA 0.225 -> 0.229 (session 41), 0.226 -> 0.234 and
+        rdn 0.881 -> 0.893 (session 42, with R's writes kernel dependent too). That writes kernel
+        launched dependent on S's pass (K K^T and P before the wait) lost at B8xT2048 as well: rla
+        0.477 -> 0.498, rdn 0.713 -> 0.740."""
+        sequence_heads = self.layout.num_sequences * self.shape["HV"]
+        return self.q.is_cuda and self.residual and sequence_heads >= 128
 
 
 def forward_chunk_size(update, residual, sequences, HV):

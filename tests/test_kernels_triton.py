@@ -6,6 +6,7 @@ run compiled on a GPU; test_gpu.py adds bf16 at real sizes there.
 """
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -411,6 +412,21 @@ def test_additive_state_pass_scans_decays_from_128_sequence_heads(name, update, 
                              gamma_write=x["gamma_write"])
     passes = 2 if residual else 1
     assert asked == [False] * passes + [True] * passes
+
+
+def test_output_kernel_is_launched_dependent_compiled_from_128_sequence_heads_only():
+    """PDL (`_ChunkRun.output_launched_dependent`): the residual rules' on CUDA from 128
+    sequence-heads; never in Triton's interpreter, which has no `gdc_wait` (its kernels then take
+    the other path, which every test here runs; test_gpu's forward at B8xT2048 H16 runs the
+    dependent one)."""
+    run = lambda cuda, residual, sequences, heads: SimpleNamespace(  # noqa: E731
+        q=SimpleNamespace(is_cuda=cuda), residual=residual, layout=SimpleNamespace(num_sequences=sequences),
+        shape={"HV": heads})
+    for module in kernels_modules():
+        chosen = [module._ChunkRun.output_launched_dependent(run(*case))
+                  for case in ((True, True, 1, 64), (True, True, 2, 64), (True, True, 8, 16), (True, False, 8, 16),
+                               (False, True, 8, 16))]
+        assert chosen == [False, True, True, False, False]
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "sequential"])

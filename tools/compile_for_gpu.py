@@ -63,11 +63,13 @@ def launches(BK, BV_full, delta, residual, fp32):
         *[(kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full, STORE_W=store_w), warps, min(stages, 2))
           for store_w in (True, False)],
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, W_FROM_INVERSE=from_inverse,
-                                             BOTH_STATES=False, STORE_Z=False, SCAN_G=False), warps, stages)
+                                             BOTH_STATES=False, STORE_Z=False, SCAN_G=False,
+                                             LAUNCHES_DEPENDENTS=residual), warps, stages)
           for from_inverse in ((False, True) if delta and BK <= 128 else (False,))],
         # The additive rule's from 128 sequence-heads scans g itself (`_ChunkRun.pass_scans_decays`).
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, tile), W_FROM_INVERSE=False,
-                                             BOTH_STATES=False, STORE_Z=False, SCAN_G=scan_g),
+                                             BOTH_STATES=False, STORE_Z=False, SCAN_G=scan_g,
+                                             LAUNCHES_DEPENDENTS=residual),
            warps, kernels.state_pass_stages(stages, tile))
           for tile in ((16, 32) if delta else (32,)) for scan_g in ((False,) if delta else (False, True))],
         # The residual rules' writes of R: the forward's, and the backward's recompute (storing z); RLA's
@@ -77,7 +79,7 @@ def launches(BK, BV_full, delta, residual, fp32):
           for adds in (False, True) for store_z in (False, True)],
         # RLA's two passes in one (below 64 sequence-heads, so tiles of 16 or 32), forward and recompute.
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), W_FROM_INVERSE=False,
-                                             BOTH_STATES=True, STORE_Z=store_z, SCAN_G=False),
+                                             BOTH_STATES=True, STORE_Z=store_z, SCAN_G=False, LAUNCHES_DEPENDENTS=False),
            warps, kernels.state_pass_stages(stages, 32)) for store_z in (False, True)],
         # The cumulative log decay that the additive rule's sequential passes load.
         (kernels._chunk_decay_kernel, dict(BC=64, BH=16), 4, 1),
@@ -92,11 +94,12 @@ def launches(BK, BV_full, delta, residual, fp32):
         # The output kernel; and sGLA's forward without gradients below 64 sequence-heads, in chunks of
         # LONG_CHUNK_SIZE: the output kernel, the state kernel (from 32 sequence-heads, tiles of 32)
         # and the scan's kernels (below 32, RLA's too, with its writes kernel).
+        # The residual rules' from 128 sequence-heads (chunks of 64) launched dependent on R's pass (PDL).
         *[(kernels._chunk_output_kernel, dict(BC=chunk, BR=kernels.OUTPUT_ROWS, BK=BK,
-                                             BV=kernels.output_tile(BK, BV_full)), warps, stages)
-          for chunk in (64, kernels.LONG_CHUNK_SIZE)],
+                                             BV=kernels.output_tile(BK, BV_full), DEPENDENT=dependent), warps, stages)
+          for chunk, dependent in ((64, False), (kernels.LONG_CHUNK_SIZE, False), *(((64, True),) if residual else ()))],
         (kernels._chunk_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 32), W_FROM_INVERSE=False,
-                                           BOTH_STATES=False, STORE_Z=False, SCAN_G=False),
+                                           BOTH_STATES=False, STORE_Z=False, SCAN_G=False, LAUNCHES_DEPENDENTS=False),
          warps, kernels.state_pass_stages(stages, 32)),
         (kernels._chunk_local_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_scan_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, CHUNKS=kernels.SCAN_CHUNKS,
@@ -264,6 +267,7 @@ def main():
                                  f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
                                  f"{' both_states' if constexprs.get('BOTH_STATES') else ''}"
                                  f"{' scan_g' if constexprs.get('SCAN_G') else ''}"
+                                 f"{' dependent' if constexprs.get('DEPENDENT') else ''}"
                                  f"{' adds_to_state' if constexprs.get('ADDS_TO_STATE') else ''}"
                                  f"{' gated_read' if constexprs.get('GATED_READ') else ''}"
                                  f"{' pred' if constexprs.get('PRED') else ''}"
