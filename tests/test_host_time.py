@@ -26,7 +26,9 @@ def test_host_time_counts_the_launches_and_restores_the_kernels(capsys):
                      capsys.readouterr().out)
     assert line is not None
     forward_us, forward_kernels, training_us, training_kernels = map(float, line.groups())
-    assert 0 < forward_us < training_us
+    # Both timed, but not compared: with 3 calls on a loaded 2-core CI machine the forward once
+    # took 1,525 us against the training call's 266 (session 42). The counts say which does more.
+    assert forward_us > 0 and training_us > 0
     assert forward_kernels == 4 and training_kernels > forward_kernels  # gram, WY, state, output
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = [make_inputs(1, 20, 2, 2, 16, 16, residual=False)[n].to(device) for n in ("q", "k", "v", "g", "beta")]
