@@ -1314,8 +1314,7 @@ class _ChunkRun:
         as it did for RDN even at H16 B1xT32768 (2,641 -> 2,947). Below 32 pairs RLA's passes are
         scans instead (`scans_states`). Where RLA runs in segments those stay: the two were not
         timed against each other."""
-        sequence_heads = self.layout.num_sequences * self.shape["HV"]
-        return not self.delta and 32 <= sequence_heads < 64 and self.state_segments() == 1
+        return not self.delta and 32 <= self.sequence_heads < 64 and self.state_segments() == 1
 
     def advance_both(self, S0, R0, store_z):
         """RLA's S and R passes in one from S0 and R0. Returns the final S and R."""
@@ -1371,8 +1370,13 @@ class _ChunkRun:
         not launched (H200, H16 D128, session 41, us of kernels: sGLA's forward at B8xT2048 208 ->
         205, the pass equal at 79; RLA's 477 -> 473). At 32 sequence-heads the scan sits on the
         loop's chain: the pass 85 -> 101 at B2xT8192."""
-        sequence_heads = self.layout.num_sequences * self.shape["HV"]
-        return not self.delta and self.G is None and sequence_heads >= 128
+        return not self.delta and self.G is None and self.sequence_heads >= 128
+
+    @property
+    def sequence_heads(self):
+        """(sequence, value head) pairs: what sets how many programs a sequential pass runs, and so
+        the tiles, paths and launches the methods below choose."""
+        return self.layout.num_sequences * self.shape["HV"]
 
     def register_cap(self, kernel):
         """`register_cap` for this call's rule, head size and dtype."""
@@ -1388,7 +1392,7 @@ class _ChunkRun:
         fused pass, its backward (whose recomputed forward takes the same path) 6,293 -> 6,153
         (session 17). With R's additions in a kernel of their own and P from the gram kernel it
         had lost (1,447 -> 1,485 us, session 15)."""
-        return not self.delta and self.layout.num_sequences * self.shape["HV"] < 32
+        return not self.delta and self.sequence_heads < 32
 
     def chunk_additions(self, v, strength, h):
         """What every chunk of an additive state adds by its end from the writes diag(strength) v
@@ -1420,7 +1424,7 @@ class _ChunkRun:
         layout = self.layout
         if self.delta or layout.varlen:
             return 1
-        programs = _cdiv(self.shape["DV"], self.state_tile()) * layout.num_sequences * self.shape["HV"]
+        programs = _cdiv(self.shape["DV"], self.state_tile()) * self.sequence_heads
         segments = min(PARALLEL_PROGRAMS // programs, layout.NT // MIN_SEGMENT_CHUNKS)
         # The join passes over h once more. On an H200 (H16 D128, session 10) 16 segments paid at
         # B1xT32768 (against 8: sGLA 768 -> 750 us, RLA 1,861 -> 1,819), 8 did not at B2xT8192
@@ -1473,10 +1477,9 @@ class _ChunkRun:
         (gdn 419 -> 305 us, rdn 1,058 -> 845) and the additive rule's slower (sGLA 256 -> 284,
         RLA 702 -> 778), on 4 warps; on 8 (`reverse_warps`, session 35, B8xT2048) the delta rule's
         reverse kernel is faster at 64 than at 32 (gdn 247 -> 188, rdn's two passes 598 -> 485)."""
-        sequence_heads = self.layout.num_sequences * self.shape["HV"]
-        if sequence_heads < 32:
+        if self.sequence_heads < 32:
             return min(self.BV_full, 16)
-        wide = sequence_heads >= (128 if reverse else 64)
+        wide = self.sequence_heads >= (128 if reverse else 64)
         return min(self.BV_full, 64 if wide else 32)
 
     def writes_from_inverse(self):
@@ -1488,8 +1491,7 @@ class _ChunkRun:
         passes lost more than WY gained (gdn 402 -> 430, rdn 854 -> 899), as they do below (tiles
         of 16 and 32, session 17). The backward's recompute keeps W, which its reverse passes read
         (reading T^-1 there too lost 14-16 us). Not at D256, where the loop spills (192 B, sm_90)."""
-        sequence_heads = self.layout.num_sequences * self.shape["HV"]
-        return self.delta and not self.for_backward and self.BK <= 128 and sequence_heads >= 128
+        return self.delta and not self.for_backward and self.BK <= 128 and self.sequence_heads >= 128
 
     def output(self, scale):
         o = torch.empty_like(self.v)
@@ -1515,8 +1517,7 @@ class _ChunkRun:
         rdn 0.881 -> 0.893 (session 42, with R's writes kernel dependent too). That writes kernel
         launched dependent on S's pass (K K^T and P before the wait) lost at B8xT2048 as well: rla
         0.477 -> 0.498, rdn 0.713 -> 0.740."""
-        sequence_heads = self.layout.num_sequences * self.shape["HV"]
-        return self.q.is_cuda and self.residual and sequence_heads >= 128
+        return self.q.is_cuda and self.residual and self.sequence_heads >= 128
 
 
 def forward_chunk_size(update, residual, sequences, HV):

@@ -420,8 +420,7 @@ def test_output_kernel_is_launched_dependent_compiled_from_128_sequence_heads_on
     the other path, which every test here runs; test_gpu's forward at B8xT2048 H16 runs the
     dependent one)."""
     run = lambda cuda, residual, sequences, heads: SimpleNamespace(  # noqa: E731
-        q=SimpleNamespace(is_cuda=cuda), residual=residual, layout=SimpleNamespace(num_sequences=sequences),
-        shape={"HV": heads})
+        q=SimpleNamespace(is_cuda=cuda), residual=residual, sequence_heads=sequences * heads)
     for module in kernels_modules():
         chosen = [module._ChunkRun.output_launched_dependent(run(*case))
                   for case in ((True, True, 1, 64), (True, True, 2, 64), (True, True, 8, 16), (True, False, 8, 16),
