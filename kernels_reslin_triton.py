@@ -1508,16 +1508,27 @@ class _ChunkRun:
 
     def output_launched_dependent(self):
         """Whether the output kernel is launched as a programmatic dependent of the state pass before
-        it (PDL), forming Q K^T while that pass ends: the residual rules' on CUDA from 128
-        sequence-heads. H200, H16 D128, forward replayed from CUDA graphs at B8xT2048, ms (session 42,
-        main / this / main): rdn 0.730 / 0.713 / 0.729, rla 0.483 / 0.477 / 0.483; sGLA 0.208 / 0.211 /
-        0.209, gdn 0.352 / 0.353 / 0.353, which stay independent (a copy forming the additive rule's
-        writes before the wait too: sGLA 0.204 in session 41's run, 0.213 in session 42's). At
-        B2xT8192 (32 sequence-heads) it lost: sGLA 0.225 -> 0.229 (session 41), 0.226 -> 0.234 and
-        rdn 0.881 -> 0.893 (session 42, with R's writes kernel dependent too). That writes kernel
-        launched dependent on S's pass (K K^T and P before the wait) lost at B8xT2048 as well: rla
-        0.477 -> 0.498, rdn 0.713 -> 0.740."""
-        return self.q.is_cuda and self.residual and self.sequence_heads >= 128
+        it (PDL), forming Q K^T while that pass ends: the residual rules' on CUDA, but for RLA's
+        states scanned below 32 sequence-heads (`scans_states`: no pass for it to overlap). H200, H16
+        D128, forward replayed from CUDA graphs, ms, main / this: B8xT2048 rdn 0.730 / 0.713, rla
+        0.483 / 0.477 (session 42); B2xT8192 rdn 0.880 / 0.870, rla 0.533 / 0.528; B1xT32768 rdn
+        2.077 / 2.050, and rla 1.104 -> 1.125 dependent after its scan, 1.103 as it is now (session
+        43). sGLA and gdn stay independent: at B8xT2048 sGLA 0.208 / 0.211, gdn 0.352 / 0.353
+        (session 42); at B2xT8192 sGLA 0.225 -> 0.229 (session 41). Forming the additive rule's
+        writes before the wait too gave sGLA 0.204 in session 41's run, 0.213 in session 42's; R's
+        writes kernel launched dependent on S's pass (K K^T and P before the wait) lost at B8xT2048:
+        rla 0.477 -> 0.498, rdn 0.713 -> 0.740 (session 42)."""
+        return self.q.is_cuda and self.residual and not self.scans_states()
+
+    def queries_side_launched_dependent(self):
+        """Whether the residual rules' keys' gradients' queries side (SIDE 1) is launched as a
+        programmatic dependent of S's reverse pass (PDL): on CUDA. It reads only what the
+        recomputed forward stored, so all of it but its stores may run while that pass ends.
+        H200, H16 D128, forward + backward replayed from CUDA graphs, ms, main / this (session 43,
+        two runs each): B8xT2048 rla 2.484-2.489 / 2.481-2.484, rdn 3.688-3.710 / 3.702-3.705;
+        B2xT8192 rla 2.692-2.698 / 2.687-2.688, rdn 4.049-4.063 / 4.055-4.057. RDN's reverse S
+        pass fills a SM's shared memory (229,888 B), so the queries side gains only the launch gap."""
+        return self.q.is_cuda and self.residual
 
 
 def forward_chunk_size(update, residual, sequences, HV):
@@ -1620,7 +1631,8 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, G_ptr, gamma_ptr, W_ptr, d
                                  dh_next_ptr, dU_ptr, cu_seqlens_ptr, chunk_offsets_ptr, scale, T, NT, HV, GROUP, DK,
                                  DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                                  DELTA: tl.constexpr, GATED_READ: tl.constexpr, PRED: tl.constexpr,
-                                 WHOLE_DU: tl.constexpr, FINAL_GRAD: tl.constexpr, VARLEN: tl.constexpr):
+                                 WHOLE_DU: tl.constexpr, FINAL_GRAD: tl.constexpr, LAUNCHES_DEPENDENTS: tl.constexpr,
+                                 VARLEN: tl.constexpr):
     """One state's reverse pass from the final state's gradient (dS_ptr, any float dtype; zero
     without FINAL_GRAD, when the final state was not used), storing the initial state's at
     dS0_ptr, in fp32, and dh' of every chunk. With WHOLE_DU, dU_ptr holds the chunks' own parts
@@ -1628,7 +1640,8 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, G_ptr, gamma_ptr, W_ptr, d
     `_chunk_residual_grad_kernel`) and the whole dU on exit; without (the additive rule, whose dh
     never reads dU), a later kernel adds dU's state part (`chunk_backward` says which). R's
     pass reads gamma dO (GATED_READ); S's pass of the residual rules (PRED) adds pred's reading of
-    the chunk-start state, -(e^(G_prev) K)^T dz."""
+    the chunk-start state, -(e^(G_prev) K)^T dz. LAUNCHES_DEPENDENTS (compiled, not interpreted): a
+    kernel launched as its programmatic dependent may start once every program's loop is done."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, first_chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
@@ -1672,6 +1685,8 @@ def _chunk_state_backward_kernel(q_ptr, k_ptr, g_ptr, G_ptr, gamma_ptr, W_ptr, d
             dh -= _mm(k_t, tl.exp(G_prev)[:, None] * dz, DT)
         if DELTA:
             dh -= _mm(_load_columns(W_ptr, rows, row_ok, head, HV, kcols, DK), dU, DT)
+    if LAUNCHES_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(dS0_ptr + state_offsets, dh, mask=tile_ok)
 
 
@@ -1767,7 +1782,8 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
                             dU_ptr, dh_next_residual_ptr, dU_residual_ptr, dz_ptr, dq_ptr, dk_ptr, parts_ptr,
                             dX_parts_ptr, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, scale, T, NT, L, HV,
                             GROUP, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-                            DELTA: tl.constexpr, RESIDUAL: tl.constexpr, SIDE: tl.constexpr, VARLEN: tl.constexpr):
+                            DELTA: tl.constexpr, RESIDUAL: tl.constexpr, SIDE: tl.constexpr, DEPENDENT: tl.constexpr,
+                            VARLEN: tl.constexpr):
     """Per key tile, chunk and value head: dq, and dk but for its part through X (the delta
     rule's; `_chunk_grad_values_kernel` adds it). Their accumulators span BK of the key columns,
     so that a chunk's key tiles run side by side; what needs every key column (the gates'
@@ -1778,7 +1794,10 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
     launches, each adding to what the one before stored: SIDE 1, the queries' side (dO's products
     with the states and the writes: dq, dgamma, and the dqk^T Q parts of dk and dG), then for RLA
     SIDE 2, the keys' side (the products of dh', dU and dz), and for RDN that side split by state:
-    SIDE 3, S's (dh', dU and dz), then SIDE 4, R's (dh'_R and dU_R)."""
+    SIDE 3, S's (dh', dU and dz), then SIDE 4, R's (dh'_R and dU_R).
+    The queries' side reads nothing of the reverse passes: DEPENDENT, it is launched as a
+    programmatic dependent of S's reverse pass (PDL, Hopper) and waits for it (`gdc_wait`) only
+    before its stores (`_ChunkRun.queries_side_launched_dependent`)."""
     QUERIES: tl.constexpr = SIDE <= 1
     S_KEYS: tl.constexpr = SIDE == 0 or SIDE == 2 or SIDE == 3
     R_KEYS: tl.constexpr = RESIDUAL and (SIDE == 0 or SIDE == 2 or SIDE == 4)
@@ -1857,7 +1876,6 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
             gamma = _token_scalars(gamma_ptr, rows, row_ok, head, HV)
             dq_inter_residual = to_row[:, None] * dq_reads_residual
             dgamma = tl.sum(dq_inter_residual * q, axis=1) + scale * tl.sum(dP_residual * decay * qk, axis=1)
-            _store_part(parts_ptr, part_rows, row_ok, head, HV, 4, dgamma)
             dq_inter = to_row[:, None] * dq_reads + gamma[:, None] * dq_inter_residual
             decay_strict = tl.where(r[:, None] > r[None, :], decay, 0.0)
             dqk = scale * (dP * decay_strict + gamma[:, None] * dP_residual * decay)  # the gradient of Q K^T
@@ -1907,6 +1925,10 @@ def _chunk_grad_keys_kernel(q_ptr, k_ptr, v_ptr, g_ptr, strength_ptr, gamma_ptr,
                 _store_rows(dX_parts_ptr, (key_tile * 2 + 1) * L + rows, row_ok, head, HV, r, BC, dX)
         # dg is dG's reverse cumulative sum within the chunk: dG_last reaches every row from the last real one.
         dG += tl.where(r == tl.minimum(end - start, BC) - 1, dG_last, 0.0)
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
+    if QUERIES and RESIDUAL:
+        _store_part(parts_ptr, part_rows, row_ok, head, HV, 4, dgamma)
     _store_part(parts_ptr, part_rows, row_ok, head, HV, 0, dG)
     if QUERIES:
         _store_rows(dq_ptr, rows, row_ok, head, HV, kcols, DK, dq)
@@ -2074,13 +2096,16 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
 
     reverse_tile = run.state_tile(reverse=True)
 
+    queries_dependent = run.queries_side_launched_dependent()
+
     def reverse_pass(d_final, d_initial, dh_next, dU, W, gated_read, pred):
         _chunk_state_backward_kernel[(_cdiv(Dv, reverse_tile), layout.num_sequences * HV)](
             run.q, run.k, run.g, run.cumulative_decays(scan=pred), read_gate, W, do, dz,
             d_initial if d_final is None else d_final.contiguous(), d_initial, dh_next, dU, layout.cu_seqlens,
             layout.chunk_offsets, scale, **run.shape, BV=reverse_tile, BC=chunk_size, BK=run.BK, DT=run.DT,
             DELTA=run.delta, GATED_READ=gated_read, PRED=pred, WHOLE_DU=not state_part_after,
-            FINAL_GRAD=d_final is not None, VARLEN=layout.varlen, num_warps=reverse_warps(reverse_tile, run.warps),
+            FINAL_GRAD=d_final is not None, LAUNCHES_DEPENDENTS=pred and queries_dependent, VARLEN=layout.varlen,
+            num_warps=reverse_warps(reverse_tile, run.warps),
             num_stages=run.backward_stages)
         if state_part_after and not pred:
             local_grad()
@@ -2112,7 +2137,8 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
             run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
             do, dh_next, dU, dh_next_residual, dU_residual, dz, dq, dk_keys, parts, dX_parts, *run.tables, scale,
             **run.shape, L=L, **{**common, "BK": key_tile, "BV": keys_value_tile}, DELTA=run.delta, SIDE=side,
-            num_warps=keys_warps, num_stages=keys_stages)
+            DEPENDENT=side == 1 and queries_dependent, num_warps=keys_warps, num_stages=keys_stages,
+            launch_pdl=side == 1 and queries_dependent)
     for side in grad_values_sides(run.delta, residual):
         _chunk_grad_values_kernel[(layout.num_chunks, HV)](
             run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dh_next, dU, dU_residual,

@@ -414,18 +414,33 @@ def test_additive_state_pass_scans_decays_from_128_sequence_heads(name, update, 
     assert asked == [False] * passes + [True] * passes
 
 
-def test_output_kernel_is_launched_dependent_compiled_from_128_sequence_heads_only():
-    """PDL (`_ChunkRun.output_launched_dependent`): the residual rules' on CUDA from 128
-    sequence-heads; never in Triton's interpreter, which has no `gdc_wait` (its kernels then take
-    the other path, which every test here runs; test_gpu's forward at B8xT2048 H16 runs the
-    dependent one)."""
-    run = lambda cuda, residual, sequences, heads: SimpleNamespace(  # noqa: E731
-        q=SimpleNamespace(is_cuda=cuda), residual=residual, sequence_heads=sequences * heads)
+def test_output_kernel_is_launched_dependent_compiled_after_a_state_pass_only():
+    """PDL (`_ChunkRun.output_launched_dependent`): the residual rules' on CUDA, but not after RLA's
+    scanned states (below 32 sequence-heads); never in Triton's interpreter, which has no
+    `gdc_wait` (its kernels then take the other path, which every test here runs; test_gpu's
+    forward runs the dependent one)."""
     for module in kernels_modules():
+        def run(cuda, residual, delta, sequences, heads):
+            fields = SimpleNamespace(q=SimpleNamespace(is_cuda=cuda), residual=residual, delta=delta,
+                                     sequence_heads=sequences * heads)
+            fields.scans_states = lambda: module._ChunkRun.scans_states(fields)
+            return fields
         chosen = [module._ChunkRun.output_launched_dependent(run(*case))
-                  for case in ((True, True, 1, 64), (True, True, 2, 64), (True, True, 8, 16), (True, False, 8, 16),
-                               (False, True, 8, 16))]
-        assert chosen == [False, True, True, False, False]
+                  for case in ((True, True, False, 1, 16), (True, True, False, 2, 16), (True, True, True, 1, 16),
+                               (True, True, False, 8, 16), (True, False, False, 8, 16), (True, False, True, 8, 16),
+                               (False, True, True, 8, 16))]
+        assert chosen == [False, True, True, True, False, False, False]
+
+
+def test_keys_queries_side_is_launched_dependent_compiled_for_the_residual_rules_only():
+    """PDL of the keys' gradients' queries side (SIDE 1) on S's reverse pass
+    (`_ChunkRun.queries_side_launched_dependent`): compiled, the residual rules' (the others have
+    no queries side of their own); never in the interpreter, whose kernels take the other path."""
+    run = lambda cuda, residual: SimpleNamespace(q=SimpleNamespace(is_cuda=cuda), residual=residual)  # noqa: E731
+    for module in kernels_modules():
+        chosen = [module._ChunkRun.queries_side_launched_dependent(run(*case))
+                  for case in ((True, True), (True, False), (False, True))]
+        assert chosen == [True, False, False]
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "sequential"])

@@ -108,14 +108,16 @@ def launches(BK, BV_full, delta, residual, fp32):
                                                      ADDS_TO_STATE=True, STORE_Z=False), long_writes_warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=kernels.local_grad_tile(delta, residual, BV_full),
                                                  STATE_PART=not delta), warps, 3),
-        # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz.
+        # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz;
+        # S's of the residual rules then launches the keys' gradients' queries side as its dependent (PDL).
         *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=reverse_tile, GATED_READ=gated, PRED=pred,
-                                                       WHOLE_DU=delta, FINAL_GRAD=True),
+                                                       WHOLE_DU=delta, FINAL_GRAD=True, LAUNCHES_DEPENDENTS=pred),
            kernels.reverse_warps(reverse_tile, warps), backward_stages)
           for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
         (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
-        *[(kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, key_tile), BV=value_tile, SIDE=side), keys_warps,
-           keys_stages) for side, keys_warps, keys_stages, value_tile in keys_launches],
+        *[(kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, key_tile), BV=value_tile, SIDE=side,
+                                                  DEPENDENT=side == 1), keys_warps, keys_stages)
+          for side, keys_warps, keys_stages, value_tile in keys_launches],
         *[(kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64),
                                                     KEY_TILES=max(1, BK // key_tile),
                                                     STATE_PART=residual and not delta, SIDE=side),
