@@ -2133,12 +2133,12 @@ def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0
     dX_parts = torch.empty(key_tiles, 2, L, HV, chunk_size, **low) if run.delta else parts
     dk_keys = torch.empty(L, HV, Dk, **key_grad) if run.delta else dk
     for side, keys_warps, keys_stages, keys_value_tile in keys_launches:
+        dependent = side == 1 and queries_dependent
         _chunk_grad_keys_kernel[(key_tiles, layout.num_chunks, HV)](
             run.q, run.k, run.v, run.g, *gates, run.X, run.U, run.h, run.X_residual, run.U_residual, run.h_residual,
             do, dh_next, dU, dh_next_residual, dU_residual, dz, dq, dk_keys, parts, dX_parts, *run.tables, scale,
             **run.shape, L=L, **{**common, "BK": key_tile, "BV": keys_value_tile}, DELTA=run.delta, SIDE=side,
-            DEPENDENT=side == 1 and queries_dependent, num_warps=keys_warps, num_stages=keys_stages,
-            launch_pdl=side == 1 and queries_dependent)
+            DEPENDENT=dependent, num_warps=keys_warps, num_stages=keys_stages, launch_pdl=dependent)
     for side in grad_values_sides(run.delta, residual):
         _chunk_grad_values_kernel[(layout.num_chunks, HV)](
             run.k, run.v, run.g, run.beta, run.gamma_write, run.X, run.X_residual, run.z, dh_next, dU, dU_residual,
