@@ -560,12 +560,13 @@ def _load_pass_factors(row_factors_ptr, chunk_factors_ptr, chunk, rows, row_ok, 
 def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X_ptr, X_residual_ptr,
                      cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, W_ptr, U0_ptr, W_residual_ptr, G_ptr,
                      T, NT, HV, GROUP, DK, DV, NUM_CHUNKS, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     DT: tl.constexpr, RESIDUAL: tl.constexpr, STORE_W: tl.constexpr, VARLEN: tl.constexpr):
-    """The WY terms of a chunk: U0 = X diag(b) V for S and, with STORE_W, W = X diag(b e^G) K for
-    S and R (R's U0 needs the residual, which the state kernel forms). Without STORE_W the state
-    passes read X and K in W's place (`_ChunkRun.writes_from_inverse`). A program takes every
-    num_programs-th (chunk, head) of the NUM_CHUNKS * HV (`wy_programs`). The cumulative log
-    decay G is stored too (fp32), for the state passes: no scan on their loops' chain."""
+                     DT: tl.constexpr, RESIDUAL: tl.constexpr, VARLEN: tl.constexpr):
+    """The WY terms of a chunk: U0 = X diag(b) V for S and W = X diag(b e^G) K for S and R (R's U0
+    needs the residual, which the writes kernel forms), for the state passes that read them: the
+    passes that form their writes from X need neither (`_ChunkRun.writes_from_inverse`). A
+    program takes every num_programs-th (chunk, head) of the NUM_CHUNKS * HV (`wy_programs`). The
+    cumulative log decay G is stored too (fp32), for the state passes: no scan on their loops'
+    chain."""
     for item in range(tl.program_id(0), NUM_CHUNKS * HV, tl.num_programs(0)):
         chunk, head = item % NUM_CHUNKS, item // NUM_CHUNKS
         start, end = _chunk_bounds(chunk, cu_seqlens_ptr, chunk_seq_ptr, chunk_offsets_ptr, T, NT, BC, VARLEN)
@@ -580,13 +581,12 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_strength_ptr, X
         v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV)
         X = _load_lower(X_ptr, rows, row_ok, head, HV, BC)
         _store_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV, _mm(X, strength[:, None] * v, DT))
-        if STORE_W:
-            _store_rows(W_ptr, rows, row_ok, head, HV, kcols, DK, _mm(X, (strength * decay)[:, None] * k, DT))
-            if RESIDUAL:
-                residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
-                X = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
-                _store_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK,
-                            _mm(X, (residual_strength * decay)[:, None] * k, DT))
+        _store_rows(W_ptr, rows, row_ok, head, HV, kcols, DK, _mm(X, (strength * decay)[:, None] * k, DT))
+        if RESIDUAL:
+            residual_strength = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)
+            X = _load_lower(X_residual_ptr, rows, row_ok, head, HV, BC)
+            _store_rows(W_residual_ptr, rows, row_ok, head, HV, kcols, DK,
+                        _mm(X, (residual_strength * decay)[:, None] * k, DT))
 
 
 @triton.jit
@@ -672,7 +672,7 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
                         P_ptr, row_factors_ptr, chunk_factors_ptr, z_ptr, U_residual_ptr, h_residual_ptr, R0_ptr, R_ptr,
                         cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
-                        W_FROM_INVERSE: tl.constexpr, BOTH_STATES: tl.constexpr, STORE_Z: tl.constexpr,
+                        WRITES_FROM_INVERSE: tl.constexpr, BOTH_STATES: tl.constexpr, STORE_Z: tl.constexpr,
                         SCAN_G: tl.constexpr, LAUNCHES_DEPENDENTS: tl.constexpr, VARLEN: tl.constexpr):
     """Chunk after chunk of one (sequence, value head, value tile) of one state: stores the
     chunk-start states h and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed
@@ -683,9 +683,10 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
     writes made from S's chunk-start state as that kernel makes them, kept in registers; R0_ptr
     and R_ptr as S0_ptr and S_ptr; the gates and decays as factors (`_chunk_pass_factors_kernel`).
     Every step is separable by value column, so a program owns the same value tile of S and R.
-    With W_FROM_INVERSE W_ptr holds T^-1, and W h = T^-1 diag(b e^G) (K h) is formed from it and
-    the chunk's keys. With SCAN_G (additive rule) G_ptr holds g, scanned every chunk, in place of
-    the stored G (`_ChunkRun.pass_scans_decays`). LAUNCHES_DEPENDENTS (compiled, not interpreted):
+    With WRITES_FROM_INVERSE (delta rule) W_ptr holds T^-1, and the writes are formed from it, the
+    values (R's: the clipped residuals) and the chunk's keys, U = T^-1 diag(b) (V - diag(e^G) K h):
+    no U0 or W is read, and the WY kernel forms none. With SCAN_G G_ptr holds g, scanned every
+    chunk, in place of the stored G (`_ChunkRun.pass_scans_decays`). LAUNCHES_DEPENDENTS (compiled, not interpreted):
     a kernel launched as its programmatic dependent may start once every program's loop is done."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
@@ -717,12 +718,13 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
             decay, to_end = tl.exp(G_last), tl.exp(G_last - G)
             k_t = _load_columns(k_ptr, rows, row_ok, head // GROUP, HV // GROUP, kcols, DK)
         if DELTA:
-            U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
-            if W_FROM_INVERSE:
-                row_scale = _token_scalars(strength_ptr, rows, row_ok, head, HV) * tl.exp(G)
-                keys_read = row_scale[:, None] * _mm(tl.trans(k_t), S, DT)
-                U -= _mm(_load_lower(W_ptr, rows, row_ok, head, HV, BC), keys_read, DT)
-            else:
+            if WRITES_FROM_INVERSE:  # U = T^-1 diag(b) (V - diag(e^G) K h)
+                v = _load_rows(v_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
+                innovation = v - tl.exp(G)[:, None] * _mm(tl.trans(k_t), S, DT)
+                strength = _token_scalars(strength_ptr, rows, row_ok, head, HV)
+                U = _mm(_load_lower(W_ptr, rows, row_ok, head, HV, BC), strength[:, None] * innovation, DT)
+            else:  # U = U0 - W h
+                U = _load_rows(U0_ptr, rows, row_ok, head, HV, vcols, DV).to(tl.float32)
                 U -= _mm(_load_rows(W_ptr, rows, row_ok, head, HV, kcols, DK), S, DT)
             _store_rows(U_ptr, rows, row_ok, head, HV, vcols, DV, U)
         else:
@@ -814,12 +816,14 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
                                   X_residual_ptr, z_ptr, writes_ptr, U_residual_ptr, h_residual_ptr, cu_seqlens_ptr,
                                   chunk_seq_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
                                   BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
-                                  ADDS_TO_STATE: tl.constexpr, STORE_Z: tl.constexpr, VARLEN: tl.constexpr):
+                                  WRITES_FROM_INVERSE: tl.constexpr, ADDS_TO_STATE: tl.constexpr,
+                                  STORE_Z: tl.constexpr, VARLEN: tl.constexpr):
     """Every chunk at once, after S's pass: pred_t = S_{t-1}^T k_t from the chunk-start state h
     and the chunk's own writes U, z = v - pred (stored for the backward when STORE_Z), the
     clipped residual r, and what R's pass writes with: U0_R = X_R diag(b_R) r for the delta
-    rule, r itself for the additive one (its pass scales by b_R; R's writes U_R = diag(b_R) r
-    are stored too, for the output and the backward, as the delta rule's pass stores its own).
+    rule, r itself for the delta rule's pass that forms its writes from X_R (WRITES_FROM_INVERSE)
+    and for the additive one (its pass scales by b_R; R's writes U_R = diag(b_R) r are stored
+    too, for the output and the backward, as the delta rule's pass stores its own).
     None of it needs R, so R's recurrence is S's again, over other writes. With ADDS_TO_STATE
     (the additive rule, whose R then advances by scan) no pass reads R's writes again: what they
     add to R by the chunk's end, (e^(G_last - G) K)^T U_R, goes to h_residual in their place, as
@@ -856,7 +860,9 @@ def _chunk_residual_writes_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_st
     residual = _clipped_residual(k, v, h, U, P, tl.exp(G - g), clip, z_ptr, rows, row_ok, head, HV, vcols, DV, DT,
                                  STORE_Z)
     scaled = _token_scalars(residual_strength_ptr, rows, row_ok, head, HV)[:, None] * residual
-    if DELTA:
+    if DELTA and WRITES_FROM_INVERSE:  # R's pass forms U_R from X_R and r
+        _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV, residual)
+    elif DELTA:
         _store_rows(writes_ptr, rows, row_ok, head, HV, vcols, DV,
                     _mm(_load_lower(X_residual_ptr, rows, row_ok, head, HV, BC), scaled, DT))
     else:
@@ -1232,13 +1238,12 @@ class _ChunkRun:
             # it (the blocks above the diagonal), not whatever the memory held.
             fresh_inverse = torch.zeros if keep_inverse and self.keeps_inverse else torch.empty
             self.X = fresh_inverse(L, HV, chunk_size, device=q.device, dtype=q.dtype) if inverse is None else inverse
-            U0, self.U = empty(L, HV, Dv), empty(L, HV, Dv)
-            self.G = torch.empty(L, HV, device=q.device, dtype=torch.float32)  # the WY kernel's
+            self.U = empty(L, HV, Dv)
             if residual:
                 self.X_residual = empty(L, HV, chunk_size)
-            store_w = not self.writes_from_inverse()
-            if store_w:
-                self.W = empty(L, HV, Dk)
+            if not self.writes_from_inverse():  # the WY kernel's
+                U0, self.W = empty(L, HV, Dv), empty(L, HV, Dk)
+                self.G = torch.empty(L, HV, device=q.device, dtype=torch.float32)
                 if residual:
                     self.W_residual = empty(L, HV, Dk)
         fused = residual and self.fuse_residual_passes()
@@ -1251,11 +1256,11 @@ class _ChunkRun:
                 k, g, beta, self.gamma_write, *self.tables, self.X, self.X_residual, self.P, layout.T, layout.NT,
                 HV, HV // H, Dk, BLOCK=chunk_size // 4, DELTA=delta, RESIDUAL=residual, STORE_P=fused, **common,
                 num_warps=GRAM_WARPS)
-        if delta:
+        if delta and not self.writes_from_inverse():
             _chunk_wy_kernel[(wy_programs(layout.num_chunks * HV, residual, q.device),)](
                 k, v, g, beta, self.gamma_write, self.X, self.X_residual, *self.tables, self.W, U0, self.W_residual,
-                self.G, **self.shape, NUM_CHUNKS=layout.num_chunks, BV=self.BV_full, RESIDUAL=residual, STORE_W=store_w,
-                **common, num_warps=self.warps, num_stages=min(self.stages, 2))  # the next chunk's loads in flight
+                self.G, **self.shape, NUM_CHUNKS=layout.num_chunks, BV=self.BV_full, RESIDUAL=residual, **common,
+                num_warps=self.warps, num_stages=min(self.stages, 2))  # the next chunk's loads in flight
         if fused:
             self.S, self.R = self.advance_both(S0, R0, store_z)
             return
@@ -1301,7 +1306,8 @@ class _ChunkRun:
             self.k, self.v, self.g, self.beta, self.gamma_write, self.U, self.h, self.P, self.X_residual, self.z,
             self.v if adds_to_state else writes, self.U_residual, self.h_residual, *self.tables, self.clip,
             **self.shape, BC=self.chunk_size, BK=self.BK, BV=BV, DT=self.DT, DELTA=self.delta,
-            ADDS_TO_STATE=adds_to_state, STORE_Z=store_z, VARLEN=self.layout.varlen, num_warps=warps,
+            WRITES_FROM_INVERSE=self.writes_from_inverse(), ADDS_TO_STATE=adds_to_state, STORE_Z=store_z,
+            VARLEN=self.layout.varlen, num_warps=warps,
             num_stages=self.stages, maxnreg=self.register_cap(_chunk_residual_writes_kernel))
         return writes
 
@@ -1359,7 +1365,7 @@ class _ChunkRun:
             self.P, self.row_factors, self.chunk_factors, self.z, self.U_residual, self.h_residual,
             *(residual_states if both else (initial, final)), cu_seqlens, chunk_offsets, self.clip, **self.shape,
             BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
-            W_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both, STORE_Z=store_z, SCAN_G=scan,
+            WRITES_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both, STORE_Z=store_z, SCAN_G=scan,
             LAUNCHES_DEPENDENTS=self.output_launched_dependent(), VARLEN=varlen, num_warps=self.warps,
             num_stages=state_pass_stages(self.stages, self.state_tile()))
 
@@ -1369,8 +1375,9 @@ class _ChunkRun:
         enough to hide the scan, and only while no G is stored. The forward's decay kernel is then
         not launched (H200, H16 D128, session 41, us of kernels: sGLA's forward at B8xT2048 208 ->
         205, the pass equal at 79; RLA's 477 -> 473). At 32 sequence-heads the scan sits on the
-        loop's chain: the pass 85 -> 101 at B2xT8192."""
-        return not self.delta and self.G is None and self.sequence_heads >= 128
+        loop's chain: the pass 85 -> 101 at B2xT8192. The delta rule's passes that form their writes
+        from T^-1 scan g too: no WY kernel runs to store G for them (`writes_from_inverse`)."""
+        return self.writes_from_inverse() or (not self.delta and self.G is None and self.sequence_heads >= 128)
 
     @property
     def sequence_heads(self):
@@ -1483,15 +1490,20 @@ class _ChunkRun:
         return min(self.BV_full, 64 if wide else 32)
 
     def writes_from_inverse(self):
-        """Whether the forward's delta-rule state passes form W h = T^-1 diag(b e^G) (K h) from
-        T^-1 and the keys they load anyway, in place of reading W, which the WY kernel then never
-        forms: one more dot on the loop's chain for W's writes and reads. H200, H16 D128 (session
-        20): at B8xT2048 (128 sequence-heads) gdn's forward 404 -> 370 us (WY 88 -> 43, state
-        136 -> 147), rdn's 862 -> 785 (WY 143 -> 45, passes 272 -> 294); at B4xT4096 (64) the
-        passes lost more than WY gained (gdn 402 -> 430, rdn 854 -> 899), as they do below (tiles
-        of 16 and 32, session 17). The backward's recompute keeps W, which its reverse passes read
-        (reading T^-1 there too lost 14-16 us). Not at D256, where the loop spills (192 B, sm_90)."""
-        return self.delta and not self.for_backward and self.BK <= 128 and self.sequence_heads >= 128
+        """Whether the forward's delta-rule state passes form their writes U = T^-1 diag(b) (V -
+        diag(e^G) K h) from T^-1, the values and the keys they load anyway, in place of reading
+        U0 = T^-1 diag(b) V and W = T^-1 diag(b e^G) K: no WY kernel runs then (the passes scan
+        g for G), and RDN's writes kernel stores R's clipped residuals r for R's pass, not X_R
+        diag(b_R) r. It costs one more dot on the loop's chain than W h, which pays from 64
+        sequence-heads (from 32 with one state). H200, H16 D128 bf16, forward replayed from CUDA
+        graphs, ms, reading U0 and W / forming the writes (session 45): B8xT2048 gdn 0.351 /
+        0.307, rdn 0.714 / 0.652; B4xT4096 gdn 0.396 / 0.346, rdn 0.774 / 0.730; B2xT8192 gdn
+        0.447 / 0.434, rdn 0.866 / 0.906 (its passes 329 -> 515 us against WY's 126 and 27 of the
+        writes kernel's); B1xT32768 gdn 1.068 / 1.142, rdn 2.045 / 2.351. Forward + backward at
+        B8xT2048 (the backward's recompute reads W): gdn 1.643 / 1.599, rdn 3.694 / 3.635. Not at
+        D256, where the loop spills (192 B, sm_90)."""
+        return self.delta and not self.for_backward and self.BK <= 128 and \
+            self.sequence_heads >= (64 if self.residual else 32)
 
     def output(self, scale):
         o = torch.empty_like(self.v)

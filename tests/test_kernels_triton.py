@@ -351,19 +351,54 @@ def test_residual_additive_states_in_one_pass_or_two_match_reference(case, one_p
         assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
 
 
+class LaunchRecorder:
+    """A kernel whose launches (`kernel[grid](...)`) append their grids to `grids` first."""
+
+    def __init__(self, kernel, grids):
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
 @pytest.mark.parametrize("from_inverse", [True, False], ids=["from_inverse", "reads_w"])
 @pytest.mark.parametrize("case", GRAD_CASES[:2], ids=["batch", "varlen"])
 @pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "delta"])
 def test_delta_state_passes_from_inverse_or_w_match_reference(name, update, residual, kaczmarz, case, from_inverse,
                                                               monkeypatch):
-    """The forward's delta-rule state passes form W h from T^-1 and the keys from 128 sequence-heads
-    on, the WY kernel then forming no W, and read W below and in the backward's recompute
-    (`_ChunkRun.writes_from_inverse`): each way of the forward forced here. Outputs, final states
-    and every gradient against the reference, relative error <= 1e-5 in fp32."""
+    """The forward's delta-rule state passes form their writes from T^-1, the values and the keys
+    from 128 sequence-heads on, no WY kernel running, and read U0 and W below and in the
+    backward's recompute (`_ChunkRun.writes_from_inverse`): each way of the forward forced here.
+    Outputs, final states and every gradient against the reference, relative error <= 1e-5 in
+    fp32; and that the forward without gradients then scans g in its passes and launches no WY
+    kernel, or loads G and launches it once."""
+    asked, wy_launches = decays_asked_for(monkeypatch), []
     for module in kernels_modules():
         monkeypatch.setattr(module._ChunkRun, "writes_from_inverse", lambda run: from_inverse and not run.for_backward)
+        monkeypatch.setattr(module, "_chunk_wy_kernel", LaunchRecorder(module._chunk_wy_kernel, wy_launches))
     x, cu_seqlens = case_inputs(case, residual, kaczmarz)
+    assert_forward_matches_reference(x, update, residual, cu_seqlens)
+    assert asked == [from_inverse] * (2 if residual else 1)  # S's pass (and R's)
+    assert len(wy_launches) == (0 if from_inverse else 1)
     assert_gradients_match_reference(x, update, residual, cu_seqlens)
+
+
+@pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "delta"])
+def test_delta_passes_form_writes_from_inverse_from_64_sequence_heads(name, update, residual, kaczmarz, monkeypatch):
+    """Unforced (`_ChunkRun.writes_from_inverse`): the forward without gradients launches the WY
+    kernel below 64 sequence-heads (below 32 with one state), and none from there on."""
+    wy_launches, launched = [], []
+    for module in kernels_modules():
+        monkeypatch.setattr(module, "_chunk_wy_kernel", LaunchRecorder(module._chunk_wy_kernel, wy_launches))
+    for heads in (16, 32, 64):
+        x = on_device(make_inputs(1, 3, heads, heads, 16, 16, residual, kaczmarz=kaczmarz))
+        before = len(wy_launches)
+        with torch.no_grad():
+            reslin_attention(*(x[n] for n in ("q", "k", "v", "g", "beta", "gamma")), update=update, backend="triton",
+                             gamma_write=x["gamma_write"])
+        launched.append(len(wy_launches) > before)
+    assert launched == ([True, True, False] if residual else [True, False, False])
 
 
 def decays_asked_for(monkeypatch):

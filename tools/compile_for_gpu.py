@@ -58,27 +58,33 @@ def launches(BK, BV_full, delta, residual, fp32):
     return [
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK, STORE_P=residual and not delta), kernels.GRAM_WARPS,
          3),
-        # W for the passes that read it; the forward's from 128 sequence-heads form W h from T^-1
-        # (`_ChunkRun.writes_from_inverse`). Below 64 sequence-heads, tiles of 16 (4 stages) and 32.
-        *[(kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full, STORE_W=store_w), warps, min(stages, 2))
-          for store_w in (True, False)],
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, W_FROM_INVERSE=from_inverse,
-                                             BOTH_STATES=False, STORE_Z=False, SCAN_G=False,
+        # U0 and W for the passes that read them; the forward's from 64 sequence-heads form their
+        # writes from T^-1 (`_ChunkRun.writes_from_inverse`), scanning g. Below 64 sequence-heads,
+        # tiles of 16 (4 stages) and 32.
+        (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, min(stages, 2)),
+        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, WRITES_FROM_INVERSE=from_inverse,
+                                             BOTH_STATES=False, STORE_Z=False, SCAN_G=from_inverse,
                                              LAUNCHES_DEPENDENTS=residual), warps, stages)
           for from_inverse in ((False, True) if delta and BK <= 128 else (False,))],
         # The additive rule's from 128 sequence-heads scans g itself (`_ChunkRun.pass_scans_decays`).
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, tile), W_FROM_INVERSE=False,
+        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, tile), WRITES_FROM_INVERSE=False,
                                              BOTH_STATES=False, STORE_Z=False, SCAN_G=scan_g,
                                              LAUNCHES_DEPENDENTS=residual),
            warps, kernels.state_pass_stages(stages, tile))
           for tile in ((16, 32) if delta else (32,)) for scan_g in ((False,) if delta else (False, True))],
+        # The delta rule's with one state forms its writes from T^-1 from 32 sequence-heads.
+        *([(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), WRITES_FROM_INVERSE=True,
+                                              BOTH_STATES=False, STORE_Z=False, SCAN_G=True, LAUNCHES_DEPENDENTS=False),
+            warps, kernels.state_pass_stages(stages, 32))] if delta and not residual and BK <= 128 else []),
         # The residual rules' writes of R: the forward's, and the backward's recompute (storing z); RLA's
         # below 32 sequence-heads adding R's writes to R for its scan (ADDS_TO_STATE).
-        *[(kernels._chunk_residual_writes_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64), ADDS_TO_STATE=adds,
-                                                       STORE_Z=store_z), warps, stages)
-          for adds in (False, True) for store_z in (False, True)],
+        *[(kernels._chunk_residual_writes_kernel,
+           dict(BC=64, BK=BK, BV=min(BV_full, 64), ADDS_TO_STATE=adds, STORE_Z=store_z,
+                WRITES_FROM_INVERSE=from_inverse), warps, stages)
+          for adds in (False, True) for store_z in (False, True)
+          for from_inverse in ((False, True) if delta and not (adds or store_z) else (False,))],
         # RLA's two passes in one (below 64 sequence-heads, so tiles of 16 or 32), forward and recompute.
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), W_FROM_INVERSE=False,
+        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), WRITES_FROM_INVERSE=False,
                                              BOTH_STATES=True, STORE_Z=store_z, SCAN_G=False, LAUNCHES_DEPENDENTS=False),
            warps, kernels.state_pass_stages(stages, 32)) for store_z in (False, True)],
         # The cumulative log decay that the additive rule's sequential passes load.
@@ -98,14 +104,16 @@ def launches(BK, BV_full, delta, residual, fp32):
         *[(kernels._chunk_output_kernel, dict(BC=chunk, BR=kernels.OUTPUT_ROWS, BK=BK,
                                              BV=kernels.output_tile(BK, BV_full), DEPENDENT=dependent), warps, stages)
           for chunk, dependent in ((64, False), (kernels.LONG_CHUNK_SIZE, False), *(((64, True),) if residual else ()))],
-        (kernels._chunk_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 32), W_FROM_INVERSE=False,
-                                           BOTH_STATES=False, STORE_Z=False, SCAN_G=False, LAUNCHES_DEPENDENTS=False),
+        (kernels._chunk_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 32),
+                                           WRITES_FROM_INVERSE=False, BOTH_STATES=False, STORE_Z=False, SCAN_G=False,
+                                           LAUNCHES_DEPENDENTS=False),
          warps, kernels.state_pass_stages(stages, 32)),
         (kernels._chunk_local_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_scan_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, CHUNKS=kernels.SCAN_CHUNKS,
                                                 BLOCK=kernels.SCAN_BLOCK), kernels.SCAN_WARPS, 3),
         (kernels._chunk_residual_writes_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=long_writes_tile,
-                                                     ADDS_TO_STATE=True, STORE_Z=False), long_writes_warps, stages),
+                                                     ADDS_TO_STATE=True, STORE_Z=False, WRITES_FROM_INVERSE=False),
+         long_writes_warps, stages),
         (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=kernels.local_grad_tile(delta, residual, BV_full),
                                                  STATE_PART=not delta), warps, 3),
         # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz;
@@ -269,6 +277,7 @@ def main():
                                  f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
                                  f"{' both_states' if constexprs.get('BOTH_STATES') else ''}"
                                  f"{' scan_g' if constexprs.get('SCAN_G') else ''}"
+                                 f"{' from_inverse' if constexprs.get('WRITES_FROM_INVERSE') else ''}"
                                  f"{' dependent' if constexprs.get('DEPENDENT') else ''}"
                                  f"{' adds_to_state' if constexprs.get('ADDS_TO_STATE') else ''}"
                                  f"{' gated_read' if constexprs.get('GATED_READ') else ''}"
