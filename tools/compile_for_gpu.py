@@ -62,17 +62,18 @@ def launches(BK, BV_full, delta, residual, fp32):
         # writes from T^-1 (`_ChunkRun.writes_from_inverse`), scanning g. Below 64 sequence-heads,
         # tiles of 16 (4 stages) and 32.
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, min(stages, 2)),
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, WRITES_FROM_INVERSE=from_inverse,
-                                             BOTH_STATES=False, STORE_Z=False, SCAN_G=from_inverse,
-                                             LAUNCHES_DEPENDENTS=residual), warps, stages)
-          for from_inverse in ((False, True) if delta and BK <= 128 else (False,))],
         # The additive rule's from 128 sequence-heads scans g itself (`_ChunkRun.pass_scans_decays`).
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, tile), WRITES_FROM_INVERSE=False,
+        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, WRITES_FROM_INVERSE=from_inverse,
                                              BOTH_STATES=False, STORE_Z=False, SCAN_G=scan_g,
+                                             LAUNCHES_DEPENDENTS=residual), warps, stages)
+          for from_inverse, scan_g in (((False, False), (True, True)) if delta and BK <= 128 else
+                                       ((False, False),) if delta else ((False, False), (False, True)))],
+        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, tile), WRITES_FROM_INVERSE=False,
+                                             BOTH_STATES=False, STORE_Z=False, SCAN_G=False,
                                              LAUNCHES_DEPENDENTS=residual),
            warps, kernels.state_pass_stages(stages, tile))
-          for tile in ((16, 32) if delta else (32,)) for scan_g in ((False,) if delta else (False, True))],
-        # The delta rule's with one state forms its writes from T^-1 from 32 sequence-heads.
+          for tile in ((16, 32) if delta else (32,))],
+        # The delta rule's pass with one state forms its writes from T^-1 from 32 sequence-heads on.
         *([(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), WRITES_FROM_INVERSE=True,
                                               BOTH_STATES=False, STORE_Z=False, SCAN_G=True, LAUNCHES_DEPENDENTS=False),
             warps, kernels.state_pass_stages(stages, 32))] if delta and not residual and BK <= 128 else []),
