@@ -686,8 +686,9 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
     With WRITES_FROM_INVERSE (delta rule) W_ptr holds T^-1, and the writes are formed from it, the
     values (R's: the clipped residuals) and the chunk's keys, U = T^-1 diag(b) (V - diag(e^G) K h):
     no U0 or W is read, and the WY kernel forms none. With SCAN_G G_ptr holds g, scanned every
-    chunk, in place of the stored G (`_ChunkRun.pass_scans_decays`). LAUNCHES_DEPENDENTS (compiled, not interpreted):
-    a kernel launched as its programmatic dependent may start once every program's loop is done."""
+    chunk, in place of the stored G (`_ChunkRun.pass_scans_decays`). LAUNCHES_DEPENDENTS
+    (compiled, not interpreted): a kernel launched as its programmatic dependent may start once
+    every program's loop is done."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)

@@ -368,11 +368,11 @@ class LaunchRecorder:
 def test_delta_state_passes_from_inverse_or_w_match_reference(name, update, residual, kaczmarz, case, from_inverse,
                                                               monkeypatch):
     """The forward's delta-rule state passes form their writes from T^-1, the values and the keys
-    from 128 sequence-heads on, no WY kernel running, and read U0 and W below and in the
-    backward's recompute (`_ChunkRun.writes_from_inverse`): each way of the forward forced here.
-    Outputs, final states and every gradient against the reference, relative error <= 1e-5 in
-    fp32; and that the forward without gradients then scans g in its passes and launches no WY
-    kernel, or loads G and launches it once."""
+    from 64 sequence-heads on (32 with one state), no WY kernel running, and read U0 and W below
+    and in the backward's recompute (`_ChunkRun.writes_from_inverse`): each way of the forward
+    forced here. Outputs, final states and every gradient against the reference, relative error
+    <= 1e-5 in fp32; and that the forward without gradients then scans g in its passes and
+    launches no WY kernel, or loads G and launches it once."""
     asked, wy_launches = decays_asked_for(monkeypatch), []
     for module in kernels_modules():
         monkeypatch.setattr(module._ChunkRun, "writes_from_inverse", lambda run: from_inverse and not run.for_backward)
