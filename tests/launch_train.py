@@ -76,4 +76,4 @@ if __name__ == "__main__":
         if PartialState().is_main_process:
             torch.save({"input_ids": INPUT_IDS, "logits": logits}, os.environ["RESLIN_TEST_LOGITS"])
     kept.clear()
-    train.release_processes()
+    train.end_process()

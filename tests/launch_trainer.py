@@ -35,4 +35,4 @@ def train_and_report(out):
 
 if __name__ == "__main__":
     train_and_report(sys.argv[1])  # the model is freed on return, before the process group goes
-    train.release_processes()
+    train.end_process()
