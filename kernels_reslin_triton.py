@@ -261,6 +261,13 @@ GRAM_WARPS = 1
 PARALLEL_PROGRAMS = 1024
 MIN_SEGMENT_CHUNKS = 16
 MIN_SEGMENTS = 16
+# The delta rule's state passes over fewer than KEPT_BELOW_SEQUENCE_HEADS (row, head) pairs: a
+# training forward keeps the state at the start of every segment of each row, as many segments
+# as bring the (segment, head) pairs to KEPT_SEQUENCE_HEADS, each at least MIN_KEPT_SEGMENT_CHUNKS
+# long, so that the backward's recompute runs every segment at once (`kept_segments`).
+KEPT_BELOW_SEQUENCE_HEADS = 32
+KEPT_SEQUENCE_HEADS = 128
+MIN_KEPT_SEGMENT_CHUNKS = 16
 # `_chunk_state_scan_kernel`: state elements a program, and chunks folded at a time (at least 16:
 # a dot's rows; 8 does not compile for the H200). Timed there (H16 D128, sGLA forward at
 # B1xT32768, session 15: 587 us) against blocks of 256 (594) and 64 (624), 32 chunks (649).
@@ -670,10 +677,11 @@ def _scanned_chunk_decay(g_ptr, rows, row_ok, head, HV):
 @triton.jit
 def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr, h_ptr, S0_ptr, S_ptr,
                         P_ptr, row_factors_ptr, chunk_factors_ptr, z_ptr, U_residual_ptr, h_residual_ptr, R0_ptr, R_ptr,
-                        cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, BC: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
+                        kept_ptr, cu_seqlens_ptr, chunk_offsets_ptr, clip, T, NT, HV, GROUP, DK, DV, KEPT_SEGMENTS,
+                        BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, DELTA: tl.constexpr,
                         WRITES_FROM_INVERSE: tl.constexpr, BOTH_STATES: tl.constexpr, STORE_Z: tl.constexpr,
-                        SCAN_G: tl.constexpr, LAUNCHES_DEPENDENTS: tl.constexpr, VARLEN: tl.constexpr):
+                        SCAN_G: tl.constexpr, LAUNCHES_DEPENDENTS: tl.constexpr, KEPT_SEGMENT_CHUNKS: tl.constexpr,
+                        VARLEN: tl.constexpr):
     """Chunk after chunk of one (sequence, value head, value tile) of one state: stores the
     chunk-start states h and the writes U = U0 - W h (the additive rule: diag(b) V, recomputed
     where read), then S = e^(G_last) h + (e^(G_last - G) K)^T U, from the initial state at S0_ptr
@@ -688,10 +696,14 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
     no U0 or W is read, and the WY kernel forms none. With SCAN_G G_ptr holds g, scanned every
     chunk, in place of the stored G (`_ChunkRun.pass_scans_decays`). LAUNCHES_DEPENDENTS
     (compiled, not interpreted): a kernel launched as its programmatic dependent may start once
-    every program's loop is done."""
+    every program's loop is done. With KEPT_SEGMENT_CHUNKS (a training forward over B rows of T
+    tokens) the fp32 state at the start of every KEPT_SEGMENT_CHUNKS chunks is kept too, at
+    kept_ptr [B * KEPT_SEGMENTS, HV, DK, DV]: the backward's recompute runs from them, every
+    segment at once (`kept_segments`)."""
     value_tile, seq_head = tl.program_id(0), tl.program_id(1)
     seq, head = seq_head // HV, seq_head % HV
     bos, eos, chunk = _sequence_bounds(seq, cu_seqlens_ptr, chunk_offsets_ptr, T, NT, VARLEN)
+    first_chunk = chunk
     kcols, vcols = tl.arange(0, BK), value_tile * BV + tl.arange(0, BV)
     state_offsets, tile_ok = _state_tile(seq_head, kcols, vcols, DK, DV)
     tile = kcols[:, None] * DV + vcols[None, :]
@@ -702,6 +714,10 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
     for start in range(bos, eos, BC):
         chunk_tile = (chunk * HV + head) * DK * DV + tile
         tl.store(h_ptr + chunk_tile, S.to(DT), mask=tile_ok)
+        if KEPT_SEGMENT_CHUNKS:
+            step = chunk - first_chunk
+            kept_tile = ((seq * KEPT_SEGMENTS + step // KEPT_SEGMENT_CHUNKS) * HV + head).to(tl.int64) * DK * DV + tile
+            tl.store(kept_ptr + kept_tile, S, mask=tile_ok & (step % KEPT_SEGMENT_CHUNKS == 0))
         if BOTH_STATES:
             tl.store(h_residual_ptr + chunk_tile, R.to(DT), mask=tile_ok)
         rows = start + r
@@ -1195,12 +1211,15 @@ class _ChunkRun:
     computes before its outputs: T^-1, the WY terms, the chunk-start states h and the writes U
     (of S, and of R with the residual state). The backward builds it again (recomputing is
     cheaper than keeping h) and reads it, but for the delta rule's T^-1 without the residual
-    state: the forward keeps it (`keep_inverse`), as FLA keeps its A, one [tokens, heads, chunk]
-    tensor in the input dtype, and the backward, given it (`inverse`), skips the gram kernel.
-    The residual rules would keep three such tensors (T^-1, T_R^-1 and P) and recompute them."""
+    state: a training forward keeps it, as FLA keeps its A, one [tokens, heads, chunk] tensor in
+    the input dtype, and the backward, given it (`inverse`), skips the gram kernel. The residual
+    rules would keep three such tensors (T^-1, T_R^-1 and P) and recompute them. A training
+    forward of the delta rule over few long rows also keeps the fp32 states at its segments'
+    starts (`kept_segments`), from which the backward's passes run every segment at once
+    (`kept_states`)."""
 
     def __init__(self, q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
-                 for_backward=False, keep_inverse=False, inverse=None):
+                 for_backward=False, training=False, inverse=None, kept_states=None):
         B, T, H, Dk = q.shape
         HV, Dv = v.shape[2:]
         L = B * T
@@ -1210,6 +1229,7 @@ class _ChunkRun:
             flat, (q, k, v, g, beta, gamma, gamma_write))
         self.residual, self.delta, self.clip, self.chunk_size = gamma is not None, update == "delta", clip, chunk_size
         self.for_backward = for_backward
+        self.segment_chunks, self.segments = kept_segments(update, layout.varlen, layout.num_sequences, HV, layout.NT)
         q, k, v, g, beta = self.q, self.k, self.v, self.g, self.beta
         residual, delta = self.residual, self.delta
         empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=q.dtype)  # noqa: E731
@@ -1223,6 +1243,10 @@ class _ChunkRun:
         self.row_factors = self.chunk_factors = v
         if not residual:
             self.gamma_write = beta
+        if training and self.segment_chunks:
+            kept_states = torch.empty(1 + residual, layout.num_sequences * self.segments, HV, Dk, Dv, device=q.device,
+                                      dtype=torch.float32)
+        self.kept_states = kept_states  # the forward's to keep, or the backward's to run from
         self.tables = (layout.cu_seqlens, layout.chunk_seq, layout.chunk_offsets)
         self.G = None  # the cumulative log decays: `cumulative_decays`
         self.shape = dict(T=layout.T, NT=layout.NT, HV=HV, GROUP=HV // H, DK=Dk, DV=Dv)
@@ -1237,7 +1261,7 @@ class _ChunkRun:
         if delta:
             # A kept T^-1 leaves the forward as an op's output: zeros where the kernels never write
             # it (the blocks above the diagonal), not whatever the memory held.
-            fresh_inverse = torch.zeros if keep_inverse and self.keeps_inverse else torch.empty
+            fresh_inverse = torch.zeros if training and self.keeps_inverse else torch.empty
             self.X = fresh_inverse(L, HV, chunk_size, device=q.device, dtype=q.dtype) if inverse is None else inverse
             self.U = empty(L, HV, Dv)
             if residual:
@@ -1273,13 +1297,15 @@ class _ChunkRun:
             self.R = self.scan(R0, self.h_residual, chunk_decay)
             return
         from_inverse = self.writes_from_inverse()
-        self.S = self.advance(S0, v, beta, self.X if from_inverse else self.W, U0, self.U, self.h)
+        kept = (None, None) if self.kept_states is None else self.kept_states
+        self.S = self.advance(S0, v, beta, self.X if from_inverse else self.W, U0, self.U, self.h, kept[0])
         if not residual:
             self.R = self.S
             return
         writes = self.residual_writes(store_z, adds_to_state=False)
         W_residual = self.X_residual if from_inverse else self.W_residual
-        self.R = self.advance(R0, writes, self.gamma_write, W_residual, writes, self.U_residual, self.h_residual)
+        self.R = self.advance(R0, writes, self.gamma_write, W_residual, writes, self.U_residual, self.h_residual,
+                              kept[1])
 
     def cumulative_decays(self, scan):
         """The pointer a sequential pass reads G from (`_chunk_decay`): the delta rule's WY kernel
@@ -1337,38 +1363,49 @@ class _ChunkRun:
                         residual_states=(R0.contiguous(), R), store_z=store_z)
         return S, R
 
-    def advance(self, initial, v, strength, W, U0, U, h):
+    def advance(self, initial, v, strength, W, U0, U, h, kept=None):
         """One state's pass (`_chunk_state_kernel`) from `initial` over the writes (v and the write
         strength for the additive rule, U0 and W for the delta rule), storing h and, for the delta
-        rule, U. Returns the final state."""
+        rule, U. `kept`: the state at its segments' starts (`kept_segments`), which a training
+        forward's pass stores and the backward's recompute runs from. Returns the final state
+        (None from kept starts: the backward never reads it)."""
         layout = self.layout
         if self.scans_states():
             return self.scan(initial, h, self.chunk_additions(v, strength, h))
+        if kept is not None and self.for_backward:
+            cu_seqlens, chunk_offsets = self.segment_tables(self.segment_chunks, self.segments)
+            sequences = layout.num_sequences * self.segments
+            self.state_pass(kept, torch.empty_like(kept), cu_seqlens, chunk_offsets, sequences, True, v, strength, W,
+                            U0, U, h, sequence_heads=sequences * self.shape["HV"])
+            return None
         segments = self.state_segments()
         if segments > 1:
             return self.advance_in_segments(initial, segments, v, strength, W, U0, U, h)
         final = _fresh_state(initial)
         self.state_pass(initial.contiguous(), final, layout.cu_seqlens, layout.chunk_offsets, layout.num_sequences,
-                        layout.varlen, v, strength, W, U0, U, h)
+                        layout.varlen, v, strength, W, U0, U, h, kept=kept)
         return final
 
     def state_pass(self, initial, final, cu_seqlens, chunk_offsets, sequences, varlen, v, strength, W, U0, U, h,
-                   residual_states=None, store_z=False):
+                   residual_states=None, store_z=False, kept=None, sequence_heads=None):
         """`_chunk_state_kernel` over `sequences` rows of cu_seqlens, from the states `initial` into
         `final` (one tensor for both advances it in place); with `residual_states` (R's initial and
         final states), RLA's R advanced with S in the same pass (h_R, R's writes and, with store_z,
-        z stored)."""
+        z stored); with `kept`, the states at the kept segments' starts stored there. Its tiles are
+        those of `sequence_heads` pairs (the call's, unless given)."""
         both = residual_states is not None
         scan = not both and self.pass_scans_decays()
         G = self.g if both else self.cumulative_decays(scan=scan)  # RLA's fused pass reads its factors
-        _chunk_state_kernel[(_cdiv(self.shape["DV"], self.state_tile()), sequences * self.shape["HV"])](
+        tile = self.state_tile(sequence_heads=sequence_heads)
+        _chunk_state_kernel[(_cdiv(self.shape["DV"], tile), sequences * self.shape["HV"])](
             self.k, v, G, strength, W, U0, U, h, initial, final,
             self.P, self.row_factors, self.chunk_factors, self.z, self.U_residual, self.h_residual,
-            *(residual_states if both else (initial, final)), cu_seqlens, chunk_offsets, self.clip, **self.shape,
-            BC=self.chunk_size, BK=self.BK, BV=self.state_tile(), DT=self.DT, DELTA=self.delta,
-            WRITES_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both, STORE_Z=store_z, SCAN_G=scan,
-            LAUNCHES_DEPENDENTS=self.output_launched_dependent(), VARLEN=varlen, num_warps=self.warps,
-            num_stages=state_pass_stages(self.stages, self.state_tile()))
+            *(residual_states if both else (initial, final)), initial if kept is None else kept, cu_seqlens,
+            chunk_offsets, self.clip, **self.shape, KEPT_SEGMENTS=self.segments, BC=self.chunk_size, BK=self.BK,
+            BV=tile, DT=self.DT, DELTA=self.delta, WRITES_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both,
+            STORE_Z=store_z, SCAN_G=scan, LAUNCHES_DEPENDENTS=self.output_launched_dependent(),
+            KEPT_SEGMENT_CHUNKS=0 if kept is None else self.segment_chunks, VARLEN=varlen, num_warps=self.warps,
+            num_stages=state_pass_stages(self.stages, tile))
 
     def pass_scans_decays(self):
         """Whether the additive rule's state pass scans g itself every chunk instead of loading the G
@@ -1447,11 +1484,7 @@ class _ChunkRun:
         B, T, NT = layout.num_sequences, layout.T, layout.NT
         segment_chunks = _cdiv(NT, segments)
         segments = _cdiv(NT, segment_chunks)  # none left empty
-        arange = functools.partial(torch.arange, device=self.g.device, dtype=torch.int64)
-        rows, parts = arange(B)[:, None], arange(segments)[None, :]
-        starts = (rows * T + parts * segment_chunks * BC).flatten()  # a multiple of BC: the chunks stay
-        cu_seqlens = torch.cat([starts, starts.new_full((1,), B * T)])
-        chunk_offsets = (rows * NT + parts * segment_chunks).flatten()
+        cu_seqlens, chunk_offsets = self.segment_tables(segment_chunks, segments)
         padded = torch.nn.functional.pad(self.g.view(B, T, HV), (0, 0, 0, segments * segment_chunks * BC - T))
         # Log decays in fp32 whatever g's dtype (the kernels exponentiate them): each chunk's, each
         # segment's, and from a segment's start to each of its chunks' starts.
@@ -1471,7 +1504,18 @@ class _ChunkRun:
             num_warps=self.warps)
         return final
 
-    def state_tile(self, reverse=False):
+    def segment_tables(self, segment_chunks, segments):
+        """cu_seqlens and chunk_offsets of the B rows of T tokens cut into `segments` of
+        `segment_chunks` chunks each (the last may be shorter), for a pass over them as sequences
+        of their own."""
+        layout = self.layout
+        B, T, NT = layout.num_sequences, layout.T, layout.NT
+        arange = functools.partial(torch.arange, device=self.g.device, dtype=torch.int64)
+        rows, parts = arange(B)[:, None], arange(segments)[None, :]
+        starts = (rows * T + parts * segment_chunks * self.chunk_size).flatten()  # a multiple of BC: the chunks stay
+        return torch.cat([starts, starts.new_full((1,), B * T)]), (rows * NT + parts * segment_chunks).flatten()
+
+    def state_tile(self, reverse=False, sequence_heads=None):
         """Value columns a program of the sequential kernels owns: few sequence-heads leave SMs
         idle, so narrower tiles then. Timed on the H200 (D128) at 64 sequence-heads (B8xT2048 H8),
         tiles of 64 made the forward state kernel faster (gdn 95 -> 68 us, rdn's two passes 193 ->
@@ -1485,9 +1529,10 @@ class _ChunkRun:
         (gdn 419 -> 305 us, rdn 1,058 -> 845) and the additive rule's slower (sGLA 256 -> 284,
         RLA 702 -> 778), on 4 warps; on 8 (`reverse_warps`, session 35, B8xT2048) the delta rule's
         reverse kernel is faster at 64 than at 32 (gdn 247 -> 188, rdn's two passes 598 -> 485)."""
-        if self.sequence_heads < 32:
+        sequence_heads = self.sequence_heads if sequence_heads is None else sequence_heads
+        if sequence_heads < 32:
             return min(self.BV_full, 16)
-        wide = self.sequence_heads >= (128 if reverse else 64)
+        wide = sequence_heads >= (128 if reverse else 64)
         return min(self.BV_full, 64 if wide else 32)
 
     def writes_from_inverse(self):
@@ -1544,6 +1589,23 @@ class _ChunkRun:
         return self.q.is_cuda and self.residual
 
 
+def kept_segments(update, varlen, sequences, HV, NT):
+    """(chunks a segment, segments a row) whose start states a training forward keeps for the
+    backward's recompute, (0, 1) for none: the delta rule over rows of equal length, fewer than
+    KEPT_BELOW_SEQUENCE_HEADS (row, head) pairs. Its passes run one program a value tile and pair,
+    chunk after chunk; from the kept starts the recompute runs every segment at once, as many
+    programs as KEPT_SEQUENCE_HEADS pairs would. The states cost a few [HV, DK, DV] fp32 tensors a
+    row. H200, H16 D128 bf16, forward + backward replayed from CUDA graphs, ms, recomputing from
+    S0 / from kept starts (session 46): B1xT32768 (16 pairs, 8 segments) gdn 4.286 / 4.116, rdn
+    9.220 / 8.941; B2xT8192 (32 pairs, 4 segments) gdn 1.839 / 1.859, rdn 4.059 / 4.092, hence
+    none from 32 pairs."""
+    segments = min(KEPT_SEQUENCE_HEADS // (sequences * HV), NT // MIN_KEPT_SEGMENT_CHUNKS)
+    if update != "delta" or varlen or sequences * HV >= KEPT_BELOW_SEQUENCE_HEADS or segments < 2:
+        return 0, 1
+    segment_chunks = _cdiv(NT, segments)
+    return segment_chunks, _cdiv(NT, segment_chunks)  # none left empty
+
+
 def forward_chunk_size(update, residual, sequences, HV):
     """The chunk length of a forward whose backward will not run: LONG_CHUNK_SIZE for sGLA below
     64 sequence-heads and RLA below 32, else CHUNK_SIZE. Below 32 sGLA's state passes are the
@@ -1565,19 +1627,21 @@ def forward_chunk_size(update, residual, sequences, HV):
 
 @_on_inputs_device
 def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
-                  chunk_size=None, keep_inverse=False):
+                  chunk_size=None, training=False):
     """Forward of every rule over [B, T] or packed (cu_seqlens) sequences, the same contract as
     kernels_reslin_torch.chunk_reslin: returns (o in v's dtype, S, R) with fp32 states. With
-    keep_inverse a fourth value: T^-1 for chunk_backward's `inverse` (None but for the delta rule
-    without the residual state). chunk_size None: `forward_chunk_size`'s (a differentiable call
-    passes the backward's, CHUNK_SIZE)."""
+    `training` two values more, what chunk_backward reads if given: T^-1 (`inverse`; None but for
+    the delta rule without the residual state) and the kept states (`kept_states`, [1 or 2
+    states, rows x segments, HV, Dk, Dv] fp32; None but where `kept_segments` keeps some).
+    chunk_size None: `forward_chunk_size`'s (a differentiable call passes the backward's,
+    CHUNK_SIZE)."""
     if chunk_size is None:
         sequences = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
         chunk_size = forward_chunk_size(update, gamma is not None, sequences, v.shape[2])
     run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
-                    keep_inverse=keep_inverse)
+                    training=training)
     outputs = run.output(scale).reshape(v.shape), run.S, (run.R if run.residual else None)
-    return (*outputs, run.X if run.keeps_inverse else None) if keep_inverse else outputs
+    return (*outputs, run.X if run.keeps_inverse else None, run.kept_states) if training else outputs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2063,19 +2127,20 @@ def _chunk_grad_values_kernel(k_ptr, v_ptr, g_ptr, strength_ptr, residual_streng
 
 @_on_inputs_device
 def chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, do, dS, dR,
-                   chunk_size=CHUNK_SIZE, inverse=None):
+                   chunk_size=CHUNK_SIZE, inverse=None, kept_states=None):
     """Gradients of chunk_forward, (dq, dk, dv, dg, dbeta, dgamma, dgamma_write, dS0, dR0) (None
     where there is no residual state), given those of its output (do) and of its final states
-    (dS, dR: tensors or None); `inverse`: the T^-1 that chunk_forward kept, or None."""
+    (dS, dR: tensors or None); `inverse` and `kept_states`: what a training chunk_forward kept, or
+    None (the forward's passes are then recomputed from S0 and R0 alone)."""
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     L = B * T
     run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
-                    for_backward=True, inverse=inverse)
+                    for_backward=True, inverse=inverse, kept_states=kept_states)
     layout, residual = run.layout, run.residual
     do = do.reshape(L, HV, Dv).contiguous()
-    dS0 = _fresh_state(run.S)
-    dR0 = _fresh_state(run.R) if residual else dS0
+    dS0 = _fresh_state(S0)
+    dR0 = _fresh_state(R0) if residual else dS0
     f32 = dict(device=q.device, dtype=torch.float32)
     # The intermediate gradients (dh', dU, dU_R, dz, dX's parts, dk's key part) are kept in the
     # inputs' dtype, as FLA keeps its dh and dv: every dot that reads them casts them so anyway,
@@ -2199,44 +2264,48 @@ def _optional(x):
 def _chunk_forward_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            gamma: Optional[torch.Tensor], gamma_write: Optional[torch.Tensor], S0: torch.Tensor,
                            R0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], update: str, clip: float,
-                           scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """chunk_forward as its op returns it, tensors only: (o, S, R, T^-1 kept for the backward)."""
-    o, S, R, inverse = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
-                                     CHUNK_SIZE, keep_inverse=True)
-    return o, S, (_absent(S) if R is None else R), (_absent(q) if inverse is None else inverse)
+                           scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor]:
+    """chunk_forward as its op returns it, tensors only: (o, S, R, and T^-1 and the states kept
+    for the backward)."""
+    o, S, R, inverse, kept_states = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0,
+                                                  cu_seqlens, CHUNK_SIZE, training=True)
+    return (o, S, (_absent(S) if R is None else R), (_absent(q) if inverse is None else inverse),
+            (_absent(S) if kept_states is None else kept_states))
 
 
 def _chunk_backward_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             gamma: Optional[torch.Tensor], gamma_write: Optional[torch.Tensor], S0: torch.Tensor,
                             R0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
                             dS: Optional[torch.Tensor], dR: Optional[torch.Tensor], inverse: Optional[torch.Tensor],
-                            update: str, clip: float, scale: float) -> List[torch.Tensor]:
+                            kept_states: Optional[torch.Tensor], update: str, clip: float,
+                            scale: float) -> List[torch.Tensor]:
     """chunk_backward as its op returns it, tensors only."""
     grads = chunk_backward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, do, dS, dR,
-                           inverse=inverse)
+                           inverse=inverse, kept_states=kept_states)
     return [_absent(q) if grad is None else grad for grad in grads]
 
 
 def _save_for_backward(ctx, inputs, output):
     q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale = inputs
-    inverse = output[3]
-    ctx.mark_non_differentiable(inverse)
-    # Gradients of unused outputs arrive as None, not as zeros: T^-1 never has one, and the
-    # backward takes dS and dR as None already.
+    inverse, kept_states = output[3:]
+    ctx.mark_non_differentiable(inverse, kept_states)
+    # Gradients of unused outputs arrive as None, not as zeros: T^-1 and the kept states never
+    # have one, and the backward takes dS and dR as None already.
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, inverse)
+    ctx.save_for_backward(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, inverse, kept_states)
     ctx.update, ctx.clip, ctx.scale = update, clip, scale
 
 
 def _backward_through(chunk_backward_call):
     """The chunked forward's gradient, computed by `chunk_backward_call`: the backward op where
     torch.compile traces it, its body under eager autograd."""
-    def backward(ctx, do, dS, dR, _):
-        q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, inverse = ctx.saved_tensors
+    def backward(ctx, do, dS, dR, _inverse, _kept_states):
+        q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, inverse, kept_states = ctx.saved_tensors
         do = torch.zeros_like(v) if do is None else do  # o unused: only the final states carry a gradient
         grads = chunk_backward_call(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, do, dS,
-                                    dR if gamma is not None else None, _optional(inverse), ctx.update, ctx.clip,
-                                    ctx.scale)
+                                    dR if gamma is not None else None, _optional(inverse), _optional(kept_states),
+                                    ctx.update, ctx.clip, ctx.scale)
         return (*(_optional(grad) for grad in grads), None, None, None, None)
     return backward
 
@@ -2270,13 +2339,17 @@ def _register_ops():
         S = _contiguous_like(S0)
         B, T, HV = v.shape[:3]
         inverse = q.new_empty(B * T, HV, CHUNK_SIZE) if update == "delta" and gamma is None else _absent(q)
-        return _contiguous_like(v), S, (_absent(S) if gamma is None else torch.empty_like(S)), inverse
+        segment_chunks, segments = kept_segments(update, cu_seqlens is not None, B, HV, _cdiv(T, CHUNK_SIZE))
+        kept_states = S.new_empty(1 + (gamma is not None), B * segments, *S.shape[1:]) if segment_chunks else \
+            _absent(S)
+        return _contiguous_like(v), S, (_absent(S) if gamma is None else torch.empty_like(S)), inverse, kept_states
 
     chunk_backward_op = torch.library.custom_op(f"{OP_NAMESPACE}::chunk_backward", mutates_args=())(
         _chunk_backward_tensors)
 
     @chunk_backward_op.register_fake
-    def _(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, do, dS, dR, inverse, update, clip, scale):
+    def _(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, do, dS, dR, inverse, kept_states, update, clip,
+          scale):
         like = (q, k, v, g, beta, gamma, gamma_write, S0, R0 if gamma is not None else None)
         return [_absent(q) if x is None else _contiguous_like(x) for x in like]
 
@@ -2310,7 +2383,7 @@ def chunk_attention(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S
         differentiable = _EagerChunkAttention.apply
     else:
         return chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens)
-    o, S, R, _ = differentiable(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale)
+    o, S, R, _, _ = differentiable(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale)
     return o, S, (R if gamma is not None else None)
 
 

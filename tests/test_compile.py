@@ -11,6 +11,7 @@ import kernels_reslin_triton
 from conftest import build_model
 from kernels_reslin import reslin_attention
 from test_kernels import make_inputs, rel_err
+from test_kernels_triton import keep_states_of_short_rows
 
 pytestmark = pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,24 +44,28 @@ def test_reslin_attention_compiles_without_graph_breaks(update, residual):
 
 
 @pytest.mark.parametrize("update,residual", [("delta", True), ("delta", False), ("additive", False)])
-def test_custom_ops_pass_opcheck_with_strided_inputs(update, residual):
+def test_custom_ops_pass_opcheck_with_strided_inputs(update, residual, monkeypatch):
     """The fake implementations give the real outputs' shapes, dtypes and strides (inductor asserts
     the strides; a model hands the ops views of its projections, not contiguous tensors), and the
     registered autograd formula holds under AOT dispatch; the delta rule without the residual
-    state hands its T^-1 from the forward op to the backward op."""
-    x = make_inputs(1, 40, 2, 2, 16, 16, residual)
+    state hands its T^-1 from the forward op to the backward op, and the delta rule its kept
+    states (three segments of a row of three chunks here)."""
+    keep_states_of_short_rows(monkeypatch, sequence_heads=6)
+    x = make_inputs(1, 140, 2, 2, 16, 16, residual)
     x["gamma_write"] = x["gamma"]  # reslin_attention's default
     strided = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2) if t.dim() == 4 else t  # noqa: E731
     inputs = [None if x[n] is None else strided(x[n].detach().to(DEVICE)).requires_grad_()
               for n in ("q", "k", "v", "g", "beta", "gamma", "gamma_write", "S0", "R0")]
     assert not inputs[2].is_contiguous()
     torch.library.opcheck(kernels_reslin_triton.chunk_forward_op, (*inputs, None, update, 0.5, 0.25))
-    o, S, R, inverse = kernels_reslin_triton.chunk_forward_op(*inputs, None, update, 0.5, 0.25)
+    o, S, R, inverse, kept_states = kernels_reslin_triton.chunk_forward_op(*inputs, None, update, 0.5, 0.25)
+    assert kept_states.shape == ((1 + residual, 3, 2, 16, 16) if update == "delta" else (0,))
     grads_out = [strided(torch.randn_like(o)), torch.randn_like(S), torch.randn_like(R) if residual else None]
     detached = [None if t is None else t.detach() for t in inputs]
     ops = getattr(torch.ops, kernels_reslin_triton.OP_NAMESPACE)
     torch.library.opcheck(ops.chunk_backward.default,
-                          (*detached, None, *grads_out, kernels_reslin_triton._optional(inverse), update, 0.5, 0.25))
+                          (*detached, None, *grads_out, kernels_reslin_triton._optional(inverse),
+                           kernels_reslin_triton._optional(kept_states), update, 0.5, 0.25))
 
 
 @pytest.mark.parametrize("update,residual", [("delta", True), ("delta", False), ("additive", False)])
@@ -73,7 +78,7 @@ def test_eager_autograd_function_equals_the_custom_ops(update, residual):
     results = []
     for differentiable in (kernels_reslin_triton.chunk_forward_op, kernels_reslin_triton._EagerChunkAttention.apply):
         leaves = [None if x[n] is None else x[n].detach().to(DEVICE).requires_grad_() for n in names]
-        o, S, R, _ = differentiable(*leaves, None, update, 0.5, 0.25)
+        o, S, R, _, _ = differentiable(*leaves, None, update, 0.5, 0.25)
         loss = o.square().sum() + S.sum() + (R.sum() if residual else 0)
         results.append([o, S] + list(torch.autograd.grad(loss, [t for t in leaves if t is not None])))
     for got, ref in zip(*results, strict=True):

@@ -182,7 +182,7 @@ def test_auto_backend_falls_back_to_torch_for_head_sizes_the_chunked_kernels_ref
 
 
 BACKWARD_SHAPES = [(2, 4096, 16, 128), (8, 2048, 16, 128), (1, 4096, 8, 256), (4, 2048, 16, 64),
-                   (8, 512, 16, 256), (8, 1024, 16, 64)]
+                   (8, 512, 16, 256), (8, 1024, 16, 64), (1, 8192, 16, 128)]
 
 
 def assert_triton_backward_matches_torch(x, update, residual, final_states):
@@ -210,8 +210,9 @@ def assert_triton_backward_matches_torch(x, update, residual, final_states):
 @pytest.mark.parametrize("name,update,residual,kaczmarz,B,T,H,D", chunked_cases(BACKWARD_SHAPES))
 def test_triton_backward_bf16_at_real_sizes(name, update, residual, kaczmarz, B, T, H, D):
     """The Triton backward, bf16 inputs, H = 16, D = 128, B2 x T4096 and B8 x T2048, head sizes 256
-    and 64 with few sequence-heads and with 128 (the reverse passes' wide tiles on 8 warps), final
-    states carrying the loss (`assert_triton_backward_matches_torch`)."""
+    and 64 with few sequence-heads and with 128 (the reverse passes' wide tiles on 8 warps), and
+    B1 x T8192 (16 sequence-heads: the delta rule's recompute from the forward's kept segment
+    starts, `kept_segments`), final states carrying the loss (`assert_triton_backward_matches_torch`)."""
     x = to_cuda(make_inputs(B, T, H, H, D, D, residual, kaczmarz=kaczmarz), torch.bfloat16)
     assert_triton_backward_matches_torch(x, update, residual, final_states=True)
 

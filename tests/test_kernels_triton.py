@@ -362,6 +362,34 @@ class LaunchRecorder:
         return self.kernel[grid]
 
 
+def keep_states_of_short_rows(monkeypatch, sequence_heads):
+    """`kept_segments` as it is, but for rows of a few chunks: segments of one chunk or more (16 or
+    more on a GPU), as many as bring the (row, head) pairs to `sequence_heads`."""
+    for module in kernels_modules():
+        monkeypatch.setattr(module, "MIN_KEPT_SEGMENT_CHUNKS", 1)
+        monkeypatch.setattr(module, "KEPT_SEQUENCE_HEADS", sequence_heads)
+
+
+@pytest.mark.parametrize("case,segments", [((2, 300, 1, 2, 16, 32, None), 3), ((1, 200, 2, 2, 16, 16, None), 2)],
+                         ids=["uneven_segments", "even_segments"])
+@pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "delta"])
+def test_backward_runs_from_kept_segment_starts(name, update, residual, kaczmarz, case, segments, monkeypatch):
+    """A training forward keeps the fp32 states at its rows' segment starts (`kept_segments`);
+    the backward's recompute runs every segment at once from them (its state kernel over rows x
+    segments x heads programs' pairs, where the forward's ran over rows x heads). Outputs, final
+    states and every gradient against the reference, relative error <= 1e-5 in fp32. Five chunks
+    a row in three segments leaves the last one short, with a partial chunk."""
+    B, T, H, HV = case[:4]
+    keep_states_of_short_rows(monkeypatch, sequence_heads=B * HV * segments)
+    launches = []
+    for module in kernels_modules():
+        monkeypatch.setattr(module, "_chunk_state_kernel", LaunchRecorder(module._chunk_state_kernel, launches))
+    x, cu_seqlens = case_inputs(case, residual, kaczmarz)
+    assert_gradients_match_reference(x, update, residual, cu_seqlens)
+    passes = 2 if residual else 1
+    assert [grid[1] for grid in launches] == [B * HV] * passes + [B * segments * HV] * passes
+
+
 @pytest.mark.parametrize("from_inverse", [True, False], ids=["from_inverse", "reads_w"])
 @pytest.mark.parametrize("case", GRAD_CASES[:2], ids=["batch", "varlen"])
 @pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "delta"])

@@ -55,6 +55,7 @@ def launches(BK, BV_full, delta, residual, fp32):
     stages, backward_stages = kernels.pipeline_stages(fp32, BK)
     long_writes_tile, long_writes_warps = kernels.writes_launch(kernels.LONG_CHUNK_SIZE, BV_full, warps)
     key_tile, keys_launches = kernels.grad_keys_launches(delta, residual, BV_full, fp32)
+    kept_chunks = (0, 32) if delta else (0,)  # KEPT_SEGMENT_CHUNKS: any nonzero value compiles alike
     return [
         (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK, STORE_P=residual and not delta), kernels.GRAM_WARPS,
          3),
@@ -63,20 +64,24 @@ def launches(BK, BV_full, delta, residual, fp32):
         # tiles of 16 (4 stages) and 32.
         (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, min(stages, 2)),
         # The additive rule's from 128 sequence-heads scans g itself (`_ChunkRun.pass_scans_decays`).
+        # The delta rule's training forward below 128 sequence-heads keeps its segments' starts.
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, WRITES_FROM_INVERSE=from_inverse,
                                              BOTH_STATES=False, STORE_Z=False, SCAN_G=scan_g,
-                                             LAUNCHES_DEPENDENTS=residual), warps, stages)
+                                             LAUNCHES_DEPENDENTS=residual, KEPT_SEGMENT_CHUNKS=kept), warps, stages)
           for from_inverse, scan_g in (((False, False), (True, True)) if delta and BK <= 128 else
-                                       ((False, False),) if delta else ((False, False), (False, True)))],
+                                       ((False, False),) if delta else ((False, False), (False, True)))
+          for kept in kept_chunks],
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, tile), WRITES_FROM_INVERSE=False,
                                              BOTH_STATES=False, STORE_Z=False, SCAN_G=False,
-                                             LAUNCHES_DEPENDENTS=residual),
+                                             LAUNCHES_DEPENDENTS=residual, KEPT_SEGMENT_CHUNKS=kept),
            warps, kernels.state_pass_stages(stages, tile))
-          for tile in ((16, 32) if delta else (32,))],
+          for tile in ((16, 32) if delta else (32,)) for kept in kept_chunks],
         # The delta rule's pass with one state forms its writes from T^-1 from 32 sequence-heads on.
         *([(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), WRITES_FROM_INVERSE=True,
-                                              BOTH_STATES=False, STORE_Z=False, SCAN_G=True, LAUNCHES_DEPENDENTS=False),
-            warps, kernels.state_pass_stages(stages, 32))] if delta and not residual and BK <= 128 else []),
+                                              BOTH_STATES=False, STORE_Z=False, SCAN_G=True, LAUNCHES_DEPENDENTS=False,
+                                              KEPT_SEGMENT_CHUNKS=kept),
+            warps, kernels.state_pass_stages(stages, 32)) for kept in kept_chunks]
+          if delta and not residual and BK <= 128 else []),
         # The residual rules' writes of R: the forward's, and the backward's recompute (storing z); RLA's
         # below 32 sequence-heads adding R's writes to R for its scan (ADDS_TO_STATE).
         *[(kernels._chunk_residual_writes_kernel,
@@ -86,7 +91,8 @@ def launches(BK, BV_full, delta, residual, fp32):
           for from_inverse in ((False, True) if delta and not (adds or store_z) else (False,))],
         # RLA's two passes in one (below 64 sequence-heads, so tiles of 16 or 32), forward and recompute.
         *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), WRITES_FROM_INVERSE=False,
-                                             BOTH_STATES=True, STORE_Z=store_z, SCAN_G=False, LAUNCHES_DEPENDENTS=False),
+                                             BOTH_STATES=True, STORE_Z=store_z, SCAN_G=False, LAUNCHES_DEPENDENTS=False,
+                                             KEPT_SEGMENT_CHUNKS=0),
            warps, kernels.state_pass_stages(stages, 32)) for store_z in (False, True)],
         # The cumulative log decay that the additive rule's sequential passes load.
         (kernels._chunk_decay_kernel, dict(BC=64, BH=16), 4, 1),
@@ -107,7 +113,7 @@ def launches(BK, BV_full, delta, residual, fp32):
           for chunk, dependent in ((64, False), (kernels.LONG_CHUNK_SIZE, False), *(((64, True),) if residual else ()))],
         (kernels._chunk_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 32),
                                            WRITES_FROM_INVERSE=False, BOTH_STATES=False, STORE_Z=False, SCAN_G=False,
-                                           LAUNCHES_DEPENDENTS=False),
+                                           LAUNCHES_DEPENDENTS=False, KEPT_SEGMENT_CHUNKS=0),
          warps, kernels.state_pass_stages(stages, 32)),
         (kernels._chunk_local_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 64)), warps, 3),
         (kernels._chunk_state_scan_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, CHUNKS=kernels.SCAN_CHUNKS,
@@ -279,6 +285,7 @@ def main():
                                  f"{' both_states' if constexprs.get('BOTH_STATES') else ''}"
                                  f"{' scan_g' if constexprs.get('SCAN_G') else ''}"
                                  f"{' from_inverse' if constexprs.get('WRITES_FROM_INVERSE') else ''}"
+                                 f"{' keeping' if constexprs.get('KEPT_SEGMENT_CHUNKS') else ''}"
                                  f"{' dependent' if constexprs.get('DEPENDENT') else ''}"
                                  f"{' adds_to_state' if constexprs.get('ADDS_TO_STATE') else ''}"
                                  f"{' gated_read' if constexprs.get('GATED_READ') else ''}"
