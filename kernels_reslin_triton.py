@@ -1401,9 +1401,10 @@ class _ChunkRun:
             self.k, v, G, strength, W, U0, U, h, initial, final,
             self.P, self.row_factors, self.chunk_factors, self.z, self.U_residual, self.h_residual,
             *(residual_states if both else (initial, final)), initial if kept is None else kept, cu_seqlens,
-            chunk_offsets, self.clip, **self.shape, KEPT_SEGMENTS=self.segments, BC=self.chunk_size, BK=self.BK,
-            BV=tile, DT=self.DT, DELTA=self.delta, WRITES_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both,
-            STORE_Z=store_z, SCAN_G=scan, LAUNCHES_DEPENDENTS=self.output_launched_dependent(),
+            chunk_offsets, self.clip, **self.shape, KEPT_SEGMENTS=1 if kept is None else self.segments,
+            BC=self.chunk_size, BK=self.BK, BV=tile, DT=self.DT, DELTA=self.delta,
+            WRITES_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both, STORE_Z=store_z, SCAN_G=scan,
+            LAUNCHES_DEPENDENTS=self.output_launched_dependent(),
             KEPT_SEGMENT_CHUNKS=0 if kept is None else self.segment_chunks, VARLEN=varlen, num_warps=self.warps,
             num_stages=state_pass_stages(self.stages, tile))
 
