@@ -265,7 +265,7 @@ MIN_SEGMENTS = 16
 # training forward keeps the state at the start of every segment of each row, as many segments
 # as bring the (segment, head) pairs to KEPT_SEQUENCE_HEADS, each at least MIN_KEPT_SEGMENT_CHUNKS
 # long, so that the backward's recompute runs every segment at once (`kept_segments`).
-KEPT_BELOW_SEQUENCE_HEADS = 32
+KEPT_BELOW_SEQUENCE_HEADS = 64
 KEPT_SEQUENCE_HEADS = 128
 MIN_KEPT_SEGMENT_CHUNKS = 16
 # `_chunk_state_scan_kernel`: state elements a program, and chunks folded at a time (at least 16:
@@ -716,8 +716,9 @@ def _chunk_state_kernel(k_ptr, v_ptr, G_ptr, strength_ptr, W_ptr, U0_ptr, U_ptr,
         tl.store(h_ptr + chunk_tile, S.to(DT), mask=tile_ok)
         if KEPT_SEGMENT_CHUNKS:
             step = chunk - first_chunk
-            kept_tile = ((seq * KEPT_SEGMENTS + step // KEPT_SEGMENT_CHUNKS) * HV + head).to(tl.int64) * DK * DV + tile
-            tl.store(kept_ptr + kept_tile, S, mask=tile_ok & (step % KEPT_SEGMENT_CHUNKS == 0))
+            if step % KEPT_SEGMENT_CHUNKS == 0:
+                kept_tile = ((seq * KEPT_SEGMENTS + step // KEPT_SEGMENT_CHUNKS) * HV + head).to(tl.int64) * DK * DV + tile
+                tl.store(kept_ptr + kept_tile, S, mask=tile_ok)
         if BOTH_STATES:
             tl.store(h_residual_ptr + chunk_tile, R.to(DT), mask=tile_ok)
         rows = start + r
@@ -1598,8 +1599,10 @@ def kept_segments(update, varlen, sequences, HV, NT):
     programs as KEPT_SEQUENCE_HEADS pairs would. The states cost a few [HV, DK, DV] fp32 tensors a
     row. H200, H16 D128 bf16, forward + backward replayed from CUDA graphs, ms, recomputing from
     S0 / from kept starts (session 46): B1xT32768 (16 pairs, 8 segments) gdn 4.286 / 4.116, rdn
-    9.220 / 8.941; B2xT8192 (32 pairs, 4 segments) gdn 1.839 / 1.859, rdn 4.059 / 4.092, hence
-    none from 32 pairs."""
+    9.220 / 8.941. At B2xT8192 (32 pairs, 4 segments) the forward's pass storing the starts under
+    a mask at every step took rdn's passes 326 -> 402 us, more than the recompute saved (325 ->
+    244): 4.060 / 4.086 ms a call; storing them under an `if` on the step, 327 -> 342 us and
+    4.060 / 4.031 ms, gdn 1.837 / 1.833 (session 47)."""
     segments = min(KEPT_SEQUENCE_HEADS // (sequences * HV), NT // MIN_KEPT_SEGMENT_CHUNKS)
     if update != "delta" or varlen or sequences * HV >= KEPT_BELOW_SEQUENCE_HEADS or segments < 2:
         return 0, 1
