@@ -5,10 +5,12 @@ in the same run on the same GPU (an H200's times move between runs by more than 
 gains). Each --variant is NAME=FILE, FILE a copy of kernels_reslin_triton.py: the current one,
 another commit's (`git show REV:kernels_reslin_triton.py > scratch/old.py`: the GPU machine
 gets no .git), or one edited with sed (a tile, a warp count). For every rule and shape it calls
-each variant's chunk_forward and, with --backward, its chunk_backward (the recomputed forward
-included) and prints the kernels' total and the slowest kernels, in microseconds per call, and
-the call's own time (CUDA events, as bench_forward.py takes it): below the kernels' total where
-kernels overlap (on two streams), above it where the host is the slower side.
+each variant's chunk_forward and, with --backward, the two halves of a training call as
+autograd runs them: the training forward (chunk_forward with training=True, at the backward's
+chunk size) and chunk_backward from what it kept (T^-1, the kept segment starts; the recomputed
+forward included). It prints the kernels' total and the slowest kernels, in microseconds per
+call, and the call's own time (CUDA events, as bench_forward.py takes it): below the kernels'
+total where kernels overlap (on two streams), above it where the host is the slower side.
 With --check it also compares every variant's outputs and gradients with the first variant's
 (the largest relative RMS difference; inf where one is not finite), so that a faster variant is
 known to compute the same thing on that GPU before it is worth landing, and gives each variant's
@@ -70,12 +72,27 @@ def fp32_reference(chunk_args, do, backward):
     return [t.detach().float() for t in tensors if t is not None]
 
 
-def results(kernels, chunk_args, do, backward):
-    """chunk_forward's outputs and, with `backward`, chunk_backward's gradients, in fp32."""
-    tensors = list(kernels.chunk_forward(*chunk_args))
-    if backward:
-        tensors += kernels.chunk_backward(*chunk_args, do, None, None)
-    return [t.float() for t in tensors if t is not None]
+def variant_calls(kernels, chunk_args, do, backward):
+    """{label: zero-argument call}: the forward, or with `backward` the training call's forward
+    (returning o, S, R) and the backward from what that forward kept, as `_EagerChunkAttention`
+    passes it."""
+    if not backward:
+        return {"forward": lambda: kernels.chunk_forward(*chunk_args)}
+    kept = {}
+
+    def training_forward():
+        o, S, R, kept["inverse"], kept["kept_states"] = kernels.chunk_forward(
+            *chunk_args, chunk_size=kernels.CHUNK_SIZE, training=True)
+        return o, S, R
+
+    training_forward()
+    return {"forward": training_forward,
+            "backward": lambda: kernels.chunk_backward(*chunk_args, do, None, None, **kept)}
+
+
+def results(calls):
+    """The calls' outputs in order (the forward's o, S, R, then the backward's gradients), in fp32."""
+    return [t.float() for call in calls.values() for t in call() if t is not None]
 
 
 def largest_difference(tensors, reference):
@@ -130,15 +147,13 @@ def main(argv=None):
             reference = reference_fp32 = None
             for name, kernels in variants:
                 try:
-                    calls = {"forward": lambda: kernels.chunk_forward(*chunk_args)}
-                    if args.backward:
-                        calls["backward"] = lambda: kernels.chunk_backward(*chunk_args, do, None, None)
+                    calls = variant_calls(kernels, chunk_args, do, args.backward)
                     for label, call in calls.items():
                         times = kernel_times(call, args.repeats)
                         print(f"  {name:{width}s} {label:8s} {summary(times, args.top)}  call "
                               f"{1e3 * median_ms(call, args.repeats):.1f} us", flush=True)
                     if args.check:
-                        tensors = results(kernels, chunk_args, do, args.backward)
+                        tensors = results(calls)
                         if reference is None:
                             reference = (name, tensors)
                             reference_fp32 = fp32_reference(chunk_args, do, args.backward)
