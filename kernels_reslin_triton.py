@@ -1374,10 +1374,10 @@ class _ChunkRun:
         if self.scans_states():
             return self.scan(initial, h, self.chunk_additions(v, strength, h))
         if kept is not None and self.for_backward:
-            cu_seqlens, chunk_offsets = self.segment_tables(self.segment_chunks, self.segments)
+            cu_seqlens, chunk_offsets, varlen, shape = self.kept_segment_rows()
             sequences = layout.num_sequences * self.segments
-            self.state_pass(kept, torch.empty_like(kept), cu_seqlens, chunk_offsets, sequences, True, v, strength, W,
-                            U0, U, h, sequence_heads=sequences * self.shape["HV"])
+            self.state_pass(kept, torch.empty_like(kept), cu_seqlens, chunk_offsets, sequences, varlen, v, strength,
+                            W, U0, U, h, sequence_heads=sequences * self.shape["HV"], shape=shape)
             return None
         segments = self.state_segments()
         if segments > 1:
@@ -1388,12 +1388,13 @@ class _ChunkRun:
         return final
 
     def state_pass(self, initial, final, cu_seqlens, chunk_offsets, sequences, varlen, v, strength, W, U0, U, h,
-                   residual_states=None, store_z=False, kept=None, sequence_heads=None):
+                   residual_states=None, store_z=False, kept=None, sequence_heads=None, shape=None):
         """`_chunk_state_kernel` over `sequences` rows of cu_seqlens, from the states `initial` into
         `final` (one tensor for both advances it in place); with `residual_states` (R's initial and
         final states), RLA's R advanced with S in the same pass (h_R, R's writes and, with store_z,
         z stored); with `kept`, the states at the kept segments' starts stored there. Its tiles are
-        those of `sequence_heads` pairs (the call's, unless given)."""
+        those of `sequence_heads` pairs (the call's, unless given); `shape`: the rows' T and NT in
+        place of the call's (`kept_segment_rows`)."""
         both = residual_states is not None
         scan = not both and self.pass_scans_decays()
         G = self.g if both else self.cumulative_decays(scan=scan)  # RLA's fused pass reads its factors
@@ -1402,7 +1403,7 @@ class _ChunkRun:
             self.k, v, G, strength, W, U0, U, h, initial, final,
             self.P, self.row_factors, self.chunk_factors, self.z, self.U_residual, self.h_residual,
             *(residual_states if both else (initial, final)), initial if kept is None else kept, cu_seqlens,
-            chunk_offsets, self.clip, **self.shape, KEPT_SEGMENTS=1 if kept is None else self.segments,
+            chunk_offsets, self.clip, **(shape or self.shape), KEPT_SEGMENTS=1 if kept is None else self.segments,
             BC=self.chunk_size, BK=self.BK, BV=tile, DT=self.DT, DELTA=self.delta,
             WRITES_FROM_INVERSE=self.writes_from_inverse(), BOTH_STATES=both, STORE_Z=store_z, SCAN_G=scan,
             LAUNCHES_DEPENDENTS=self.output_launched_dependent(),
@@ -1505,6 +1506,19 @@ class _ChunkRun:
             h, starts, to_chunk, NT, segment_chunks, segments, HV, Dk, Dv, BK=self.BK, BV=join_tile, DT=self.DT,
             num_warps=self.warps)
         return final
+
+    def kept_segment_rows(self):
+        """(cu_seqlens, chunk_offsets, varlen, shape) of the backward's recompute over rows x
+        segments from the kept starts: where the segments tile the rows exactly, rows of their
+        own of segment_chunks chunks each, else packed sequences (`segment_tables`: a few small
+        torch kernels for each pass, gaps in the backward's stream). H200, H16 D128 bf16, B2xT8192,
+        forward + backward replayed, kept starts against recomputing from S0 in the same run:
+        with the tables rdn -29 us, gdn -4; as rows of their own rdn -71, gdn -27 (session 47)."""
+        layout = self.layout
+        length = self.segment_chunks * self.chunk_size
+        if layout.T == self.segments * length:
+            return layout.cu_seqlens, layout.chunk_offsets, False, dict(self.shape, T=length, NT=self.segment_chunks)
+        return (*self.segment_tables(self.segment_chunks, self.segments), True, self.shape)
 
     def segment_tables(self, segment_chunks, segments):
         """cu_seqlens and chunk_offsets of the B rows of T tokens cut into `segments` of

@@ -370,24 +370,32 @@ def keep_states_of_short_rows(monkeypatch, sequence_heads):
         monkeypatch.setattr(module, "KEPT_SEQUENCE_HEADS", sequence_heads)
 
 
-@pytest.mark.parametrize("case,segments", [((2, 300, 1, 2, 16, 32, None), 3), ((1, 200, 2, 2, 16, 16, None), 2)],
-                         ids=["uneven_segments", "even_segments"])
+@pytest.mark.parametrize("case,segments", [((2, 300, 1, 2, 16, 32, None), 3), ((1, 200, 2, 2, 16, 16, None), 2),
+                                           ((2, 192, 1, 2, 16, 32, None), 3)],
+                         ids=["uneven_segments", "even_segments", "segments_tiling_rows"])
 @pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "delta"])
 def test_backward_runs_from_kept_segment_starts(name, update, residual, kaczmarz, case, segments, monkeypatch):
     """A training forward keeps the fp32 states at its rows' segment starts (`kept_segments`);
     the backward's recompute runs every segment at once from them (its state kernel over rows x
     segments x heads programs' pairs, where the forward's ran over rows x heads). Outputs, final
     states and every gradient against the reference, relative error <= 1e-5 in fp32. Five chunks
-    a row in three segments leaves the last one short, with a partial chunk."""
+    a row in three segments leaves the last one short, with a partial chunk; four in two end in
+    a partial chunk; three whole chunks in three segments tile the rows, which the recompute then
+    passes over as rows of their own, with no tables of their bounds (`kept_segment_rows`)."""
     B, T, H, HV = case[:4]
     keep_states_of_short_rows(monkeypatch, sequence_heads=B * HV * segments)
-    launches = []
+    launches, tables = [], []
     for module in kernels_modules():
         monkeypatch.setattr(module, "_chunk_state_kernel", LaunchRecorder(module._chunk_state_kernel, launches))
+        monkeypatch.setattr(module._ChunkRun, "segment_tables",
+                            lambda run, *args, original=module._ChunkRun.segment_tables:
+                            tables.append(args) or original(run, *args))
     x, cu_seqlens = case_inputs(case, residual, kaczmarz)
     assert_gradients_match_reference(x, update, residual, cu_seqlens)
     passes = 2 if residual else 1
     assert [grid[1] for grid in launches] == [B * HV] * passes + [B * segments * HV] * passes
+    tiled = T % 64 == 0 and (T // 64) % segments == 0
+    assert len(tables) == (0 if tiled else passes)
 
 
 @pytest.mark.parametrize("from_inverse", [True, False], ids=["from_inverse", "reads_w"])
