@@ -1,7 +1,8 @@
 """Timing of tools/pending/recompute-norm-outputs.patch (apply it first): the norms' outputs
 recomputed against kept (RecomputedOutputs off), the 400M model at B4xT4096 as bench_training.py
-runs it: the gradients of one step compared bit for bit, then step time and peak memory, the two
-alternating, in one process. On the GPU machine:
+runs it: the gradients of one step compared bit for bit, then step time, the step's GPU kernel
+time (profiled: whether the GPU's time or the host's grew) and peak memory, the two alternating,
+in one process. On the GPU machine:
 
     python tools/pending/recompute_norm_outputs_timing.py gdn rdn
 """
@@ -39,8 +40,9 @@ for rule in sys.argv[1:] or ["gdn", "rdn"]:
         for name, method in (("kept", keeping), ("recomputed", recomputing)):
             block_class.recomputed_outputs = method
             torch.cuda.empty_cache()
-            ms, peak, loss, _ = measure(model, ids, 10, 2, False)
-            print(f"{rule} {name:10s} round {round}: step {ms:.1f} ms, {4 * 4096 / ms * 1e3:,.0f} tok/s, peak {peak:.2f} GiB", flush=True)
+            ms, peak, loss, kernels = measure(model, ids, 10, 2, False, profile=True)
+            print(f"{rule} {name:10s} round {round}: step {ms:.1f} ms, {4 * 4096 / ms * 1e3:,.0f} tok/s, "
+                  f"GPU kernels {sum(kernels.values()) / 1e3:.1f} ms, peak {peak:.2f} GiB", flush=True)
     block_class.recomputed_outputs = recomputing
     del model
     torch.cuda.empty_cache()
