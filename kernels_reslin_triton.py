@@ -1612,16 +1612,16 @@ def kept_segments(update, varlen, sequences, HV, NT):
     chunk after chunk; from the kept starts the recompute runs every segment at once, as many
     programs as KEPT_SEQUENCE_HEADS pairs would. The states cost a few [HV, DK, DV] fp32 tensors a
     row: the 400M model's training step at B4xT4096 (bench_training.py, H8, 24 layers) peaked 0.18
-    GiB higher for gdn, 0.38 for rdn (session 48). H200, H16 D128 bf16, forward + backward replayed from CUDA graphs, ms, recomputing from
-    S0 / from kept starts (session 46): B1xT32768 (16 pairs, 8 segments) gdn 4.286 / 4.116, rdn
-    9.220 / 8.941. At B2xT8192 (32 pairs, 4 segments) the forward's pass storing the starts under
-    a mask at every step took rdn's passes 326 -> 402 us, more than the recompute saved (325 ->
-    244): 4.060 / 4.086 ms a call; storing them under an `if` on the step, 327 -> 342 us and
-    4.060 / 4.031 ms, gdn 1.837 / 1.833; B3xT8192 (48 pairs, 2 segments) rdn 6.615 / 6.505, gdn
-    3.040 / 3.004. At B4xT4096 (64 pairs, 2 segments) the forward's pass at tiles of 64 with the
-    store took 341 -> 502 us: rdn 3.814 / 4.031 ms, gdn 1.700 / 1.803, hence none from 64 pairs.
-    Segments for 256 pairs lost to 128 (B2xT8192 rdn 4.013 -> 4.035 ms, B1xT32768 8.825 -> 8.842;
-    512: 8.890) (session 47)."""
+    GiB higher for gdn, 0.38 for rdn (session 48). H200, H16 D128 bf16, forward + backward replayed
+    from CUDA graphs, ms, recomputing from S0 / from kept starts (session 46): B1xT32768 (16 pairs,
+    8 segments) gdn 4.286 / 4.116, rdn 9.220 / 8.941. At B2xT8192 (32 pairs, 4 segments) the
+    forward's pass storing the starts under a mask at every step took rdn's passes 326 -> 402 us,
+    more than the recompute saved (325 -> 244): 4.060 / 4.086 ms a call; storing them under an `if`
+    on the step, 327 -> 342 us and 4.060 / 4.031 ms, gdn 1.837 / 1.833; B3xT8192 (48 pairs, 2
+    segments) rdn 6.615 / 6.505, gdn 3.040 / 3.004. At B4xT4096 (64 pairs, 2 segments) the forward's
+    pass at tiles of 64 with the store took 341 -> 502 us: rdn 3.814 / 4.031 ms, gdn 1.700 / 1.803,
+    hence none from 64 pairs. Segments for 256 pairs lost to 128 (B2xT8192 rdn 4.013 -> 4.035 ms,
+    B1xT32768 8.825 -> 8.842; 512: 8.890) (session 47)."""
     segments = min(KEPT_SEQUENCE_HEADS // (sequences * HV), NT // MIN_KEPT_SEGMENT_CHUNKS)
     if update != "delta" or varlen or sequences * HV >= KEPT_BELOW_SEQUENCE_HEADS or segments < 2:
         return 0, 1
