@@ -111,48 +111,94 @@ def _norm_blocks(N):
     return max(1, TILE_ELEMENTS // BLOCK_N), BLOCK_N
 
 
+def _rms_norm_forward(x2, weight, gate2, eps):
+    """The normed rows [M, N] of x2 (times silu(gate2) when given), in x2's dtype."""
+    M, N = x2.shape
+    y = torch.empty_like(x2)
+    BLOCK_M, BLOCK_N = _norm_blocks(N)
+    with _on_device(x2):
+        _rms_norm_forward_kernel[(_cdiv(M, BLOCK_M),)](
+            x2, weight, gate2, y, M, N, eps, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GATED=gate2 is not None,
+            num_warps=NUM_WARPS)
+    return y
+
+
+def _rms_norm_backward(x2, weight, gate2, dy, eps):
+    """(dx, dweight, dgate) of _rms_norm_forward given dy [M, N]; dgate None without a gate."""
+    M, N = x2.shape
+    dy = dy.reshape(M, N).contiguous()
+    dx = torch.empty_like(x2)
+    dgate = torch.empty_like(gate2) if gate2 is not None else None
+    BLOCK_M, BLOCK_N = _norm_blocks(N)
+    row_blocks = _cdiv(M, BLOCK_M)
+    programs = min(row_blocks, 1024)
+    blocks_per_program = _cdiv(row_blocks, programs)
+    programs = _cdiv(row_blocks, blocks_per_program)
+    dweight = x2.new_empty(N, programs, dtype=torch.float32)
+    with _on_device(x2):
+        _rms_norm_backward_kernel[(programs,)](
+            x2, weight, gate2, dy, dx, dgate, dweight, M, N, eps, blocks_per_program,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GATED=gate2 is not None, num_warps=NUM_WARPS)
+    return dx, dweight.sum(1).to(weight.dtype), dgate
+
+
+def _rows(x, N):
+    return None if x is None else x.reshape(-1, N).contiguous()
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, gate, eps):
-        N = x.shape[-1]
-        x2 = x.reshape(-1, N).contiguous()
-        gate2 = gate.reshape(-1, N).contiguous() if gate is not None else None
-        y = torch.empty_like(x2)
-        M = x2.shape[0]
-        BLOCK_M, BLOCK_N = _norm_blocks(N)
-        with _on_device(x):
-            _rms_norm_forward_kernel[(_cdiv(M, BLOCK_M),)](
-                x2, weight, gate2, y, M, N, eps, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GATED=gate is not None,
-                num_warps=NUM_WARPS)
+        x2, gate2 = _rows(x, x.shape[-1]), _rows(gate, x.shape[-1])
         ctx.save_for_backward(x2, weight, gate2)
         ctx.eps, ctx.shape = eps, x.shape
-        return y.view(x.shape)
+        return _rms_norm_forward(x2, weight, gate2, eps).view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, gate2 = ctx.saved_tensors
-        M, N = x2.shape
-        dy = dy.reshape(M, N).contiguous()
-        dx = torch.empty_like(x2)
-        dgate = torch.empty_like(gate2) if gate2 is not None else None
-        BLOCK_M, BLOCK_N = _norm_blocks(N)
-        row_blocks = _cdiv(M, BLOCK_M)
-        programs = min(row_blocks, 1024)
-        blocks_per_program = _cdiv(row_blocks, programs)
-        programs = _cdiv(row_blocks, blocks_per_program)
-        dweight = x2.new_empty(N, programs, dtype=torch.float32)
-        with _on_device(x2):
-            _rms_norm_backward_kernel[(programs,)](
-                x2, weight, gate2, dy, dx, dgate, dweight, M, N, ctx.eps, blocks_per_program,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GATED=gate2 is not None, num_warps=NUM_WARPS)
-        dweight = dweight.sum(1).to(weight.dtype)
-        dgate = dgate.view(ctx.shape) if dgate is not None else None
-        return dx.view(ctx.shape), dweight, dgate, None
+        dx, dweight, dgate = _rms_norm_backward(*ctx.saved_tensors, dy, ctx.eps)
+        return dx.view(ctx.shape), dweight, None if dgate is None else dgate.view(ctx.shape), None
 
 
-def rms_norm(x, weight, eps=1e-6, gate=None):
+class _RMSNormProjections(torch.autograd.Function):
+    """F.linear(y, W) for each projection W of y = the norm of x, without keeping y (as wide as x)
+    for the projections' weight gradients, as each nn.Linear after a norm would: the backward
+    forms y again from x (and the gate), which the norm's own gradient reads anyway, one kernel.
+    y is read as rows of W's input width (K, a multiple of the norm's N: heads side by side).
+    Under autocast the products autocast as nn.Linear's would."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, weight, gate, eps, *projections):
+        x2, gate2 = _rows(x, x.shape[-1]), _rows(gate, x.shape[-1])
+        ctx.save_for_backward(x2, weight, gate2, *projections)
+        ctx.eps, ctx.shape = eps, x.shape
+        y = _rms_norm_forward(x2, weight, gate2, eps).view(-1, projections[0].shape[1])
+        return tuple(torch.nn.functional.linear(y, projection) for projection in projections)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, *d_outputs):  # every one a tensor: autograd gives zeros for an unused output
+        x2, weight, gate2, *projections = ctx.saved_tensors
+        dy = d_outputs[0] @ projections[0]
+        for dz, projection in zip(d_outputs[1:], projections[1:]):
+            dy = torch.addmm(dy, dz, projection)  # the sum over the projections, in the GEMM's epilogue
+        dx, dweight, dgate = _rms_norm_backward(x2, weight, gate2, dy, ctx.eps)
+        dprojections = [None] * len(projections)
+        if any(ctx.needs_input_grad[4:]):
+            y = _rms_norm_forward(x2, weight, gate2, ctx.eps).view(dy.shape)
+            dprojections = [(dz.t() @ y).to(projection.dtype) if needed else None
+                            for dz, projection, needed in zip(d_outputs, projections, ctx.needs_input_grad[4:])]
+        return (dx.view(ctx.shape), dweight, None if dgate is None else dgate.view(ctx.shape), None,
+                *dprojections)
+
+
+def rms_norm(x, weight, eps=1e-6, gate=None, projections=None):
     """x / sqrt(mean(x^2) + eps) over the last dimension, times `weight`, times silu(`gate`) when
-    given (gate shaped like x); in fp32, returned in x's dtype."""
+    given (gate shaped like x); in fp32, returned in x's dtype. With `projections` (bias-free
+    weights [out_i, K], K a multiple of x's last dimension: K // N normed rows side by side), the
+    tuple of F.linear(normed x as rows [x.numel() // K, K], W_i) instead, the normed x not kept
+    for the backward (formed again there)."""
     N = x.shape[-1]
     if N > MAX_NORM_SIZE:
         raise ValueError(f"the fused RMS norm takes rows of at most {MAX_NORM_SIZE} elements, got {N}")
@@ -160,7 +206,14 @@ def rms_norm(x, weight, eps=1e-6, gate=None):
         raise ValueError(f"weight must be [{N}], got {tuple(weight.shape)}")
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"gate must be shaped like x {tuple(x.shape)}, got {tuple(gate.shape)}")
-    return _RMSNorm.apply(x, weight, gate, float(eps))
+    if projections is None:
+        return _RMSNorm.apply(x, weight, gate, float(eps))
+    K = projections[0].shape[-1] if projections else 0
+    if (not projections or any(p.dim() != 2 or p.shape[1] != K for p in projections) or K % N
+            or x.numel() % K):
+        raise ValueError(f"projections must be one or more weights [out, K] of one K, a multiple of {N} that "
+                         f"divides x's {x.numel()} elements; got {[tuple(p.shape) for p in projections]}")
+    return _RMSNormProjections.apply(x, weight, gate, float(eps), *projections)
 
 
 # ---------------------------------------------------------------------------------------------

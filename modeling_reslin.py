@@ -73,26 +73,47 @@ def l2_normalize(x, eps=1e-6):
 
 
 class ResLinRMSNorm(nn.Module):
+    """RMSNorm in fp32. Called with `projections`, the nn.Linear layers that read its output, it
+    returns their outputs instead: on the fused path, where each is a plain nn.Linear, one autograd
+    node that keeps no copy of the normed x for their weights' gradients (each nn.Linear would keep
+    one), as wide as x; the backward forms it again."""
+
+    read_dims = 1  # the projections read the output's last `read_dims` dimensions flattened
+
     def __init__(self, hidden_size, eps=1e-6, fused=False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.fused = fused
 
-    def forward(self, x):
+    def forward(self, x, projections=()):
+        return self.normed(x, None, projections)
+
+    def normed(self, x, gate, projections):
         if runs_fused(self.fused, x):
-            return fused_rms_norm(x, self.weight, self.eps)
-        # In fp32; F.rms_norm is one fused kernel on CUDA, where the formula written out is five.
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+            read_shape = x.shape[:x.dim() - self.read_dims]
+            if projections and all(map(is_plain_linear, projections)):
+                outputs = fused_rms_norm(x, self.weight, self.eps, gate, [p.weight for p in projections])
+                return tuple(output.view(*read_shape, -1) for output in outputs)
+            y = fused_rms_norm(x, self.weight, self.eps, gate=gate)
+        else:
+            # In fp32; F.rms_norm is one fused kernel on CUDA, where the formula written out is five.
+            y = F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps)
+            y = (y if gate is None else y * F.silu(gate.float())).to(x.dtype)
+        if not projections:
+            return y
+        y = y.flatten(x.dim() - self.read_dims)
+        return tuple(projection(y) for projection in projections)
 
 
 class ResLinGatedRMSNorm(ResLinRMSNorm):
-    """RMSNorm(o) * SiLU(gate) per head, in fp32 (FLA's FusedRMSNormGated)."""
+    """RMSNorm(o) * SiLU(gate) per head, in fp32 (FLA's FusedRMSNormGated); its projections read the
+    heads side by side."""
 
-    def forward(self, x, gate):
-        if runs_fused(self.fused, x):
-            return fused_rms_norm(x, self.weight, self.eps, gate=gate)
-        return (super().forward(x.float()) * F.silu(gate.float())).to(x.dtype)
+    read_dims = 2
+
+    def forward(self, x, gate, projections=()):
+        return self.normed(x, gate, projections)
 
 
 class ResLinShortConvolution(nn.Conv1d):
@@ -279,8 +300,8 @@ class ResLinLinearAttention(nn.Module):
             cache.update_linear(self.layer_idx, (q_state, k_state, v_state), state)
 
         gate = self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
-        o = self.o_norm(o, gate)
-        return self.o_proj(o.reshape(B, T, -1))
+        o, = self.o_norm(o, gate, (self.o_proj,))
+        return o
 
 
 def rotate_half(x):
@@ -354,8 +375,10 @@ class ResLinMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
         self.fused = uses_fused_layers(config) and config.hidden_act in ("silu", "swish")
 
-    def forward(self, x):
-        gate, up = self.gate_proj(x), self.up_proj(x)
+    def forward(self, x, norm=None):
+        """SwiGLU of x projected down; with `norm`, of norm(x), which gives the two projections' outputs
+        itself (the fused path then keeps no normed copy of x for their weights' gradients)."""
+        gate, up = norm(x, (self.gate_proj, self.up_proj)) if norm is not None else (self.gate_proj(x), self.up_proj(x))
         if runs_fused(self.fused, x):
             if is_plain_linear(self.down_proj):
                 return fused_swiglu(gate, up, self.down_proj.weight)
@@ -385,7 +408,7 @@ class ResLinBlock(GradientCheckpointingLayer):
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None):
         hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), attention_mask, position_ids, cache,
                                                   cu_seqlens)
-        return hidden_states + self.mlp(self.mlp_norm(hidden_states))
+        return hidden_states + self.mlp(hidden_states, self.mlp_norm)
 
 
 class ResLinPreTrainedModel(PreTrainedModel):
