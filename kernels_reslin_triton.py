@@ -1211,10 +1211,11 @@ class _ChunkRun:
     """The inputs of one chunked call laid out as packed tokens, and everything the forward
     computes before its outputs: T^-1, the WY terms, the chunk-start states h and the writes U
     (of S, and of R with the residual state). The backward builds it again (recomputing is
-    cheaper than keeping h) and reads it, but for the delta rule's T^-1 without the residual
-    state: a training forward keeps it, as FLA keeps its A, one [tokens, heads, chunk] tensor in
-    the input dtype, and the backward, given it (`inverse`), skips the gram kernel. The residual
-    rules would keep three such tensors (T^-1, T_R^-1 and P) and recompute them. A training
+    cheaper than keeping h) and reads it, but for the delta rule's inverses, T^-1 (and T_R^-1
+    with the residual state): a training forward keeps them, as FLA keeps its A, one [1 or 2,
+    tokens, heads, chunk] tensor in the input dtype, and the backward, given it (`inverse`), skips
+    the gram kernel (RDN: -43 to -47 us of a training call at H16 D128, session 29; RLA's P is
+    formed again, by the writes kernel). A training
     forward of the delta rule over few long rows also keeps the fp32 states at its segments'
     starts (`kept_segments`), from which the backward's passes run every segment at once
     (`kept_states`)."""
@@ -1256,17 +1257,19 @@ class _ChunkRun:
         self.warps = 4 if self.BK <= 128 else 8
         self.stages, self.backward_stages = pipeline_stages(q.dtype == torch.float32, self.BK)
         common = dict(BC=chunk_size, BK=self.BK, DT=self.DT, VARLEN=layout.varlen)
-        self.keeps_inverse = delta and not residual
-        if inverse is not None and not self.keeps_inverse:
-            raise ValueError("a kept T^-1 serves the delta rule without the residual state only")
+        if inverse is not None and not delta:
+            raise ValueError("kept inverses serve the delta rule only")
+        self.inverses = None
         if delta:
-            # A kept T^-1 leaves the forward as an op's output: zeros where the kernels never write
-            # it (the blocks above the diagonal), not whatever the memory held.
-            fresh_inverse = torch.zeros if training and self.keeps_inverse else torch.empty
-            self.X = fresh_inverse(L, HV, chunk_size, device=q.device, dtype=q.dtype) if inverse is None else inverse
-            self.U = empty(L, HV, Dv)
+            # Kept inverses leave the forward as an op's output: zeros where the kernels never write
+            # them (the blocks above the diagonal), not whatever the memory held.
+            fresh_inverse = torch.zeros if training else torch.empty
+            self.inverses = inverse if inverse is not None else fresh_inverse(
+                1 + residual, L, HV, chunk_size, device=q.device, dtype=q.dtype)
+            self.X = self.inverses[0]
             if residual:
-                self.X_residual = empty(L, HV, chunk_size)
+                self.X_residual = self.inverses[1]
+            self.U = empty(L, HV, Dv)
             if not self.writes_from_inverse():  # the WY kernel's
                 U0, self.W = empty(L, HV, Dv), empty(L, HV, Dk)
                 self.G = torch.empty(L, HV, device=q.device, dtype=torch.float32)
@@ -1653,8 +1656,8 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
                   chunk_size=None, training=False):
     """Forward of every rule over [B, T] or packed (cu_seqlens) sequences, the same contract as
     kernels_reslin_torch.chunk_reslin: returns (o in v's dtype, S, R) with fp32 states. With
-    `training` two values more, what chunk_backward reads if given: T^-1 (`inverse`; None but for
-    the delta rule without the residual state) and the kept states (`kept_states`, [1 or 2
+    `training` two values more, what chunk_backward reads if given: the inverses (`inverse`, [1 or
+    2, tokens, HV, chunk]: T^-1 and T_R^-1; None but for the delta rule) and the kept states (`kept_states`, [1 or 2
     states, rows x segments, HV, Dk, Dv] fp32; None but where `kept_segments` keeps some).
     chunk_size None: `forward_chunk_size`'s (a differentiable call passes the backward's,
     CHUNK_SIZE)."""
@@ -1664,7 +1667,7 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
     run = _ChunkRun(q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
                     training=training)
     outputs = run.output(scale).reshape(v.shape), run.S, (run.R if run.residual else None)
-    return (*outputs, run.X if run.keeps_inverse else None, run.kept_states) if training else outputs
+    return (*outputs, run.inverses, run.kept_states) if training else outputs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2289,8 +2292,8 @@ def _chunk_forward_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            R0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], update: str, clip: float,
                            scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                   torch.Tensor]:
-    """chunk_forward as its op returns it, tensors only: (o, S, R, and T^-1 and the states kept
-    for the backward)."""
+    """chunk_forward as its op returns it, tensors only: (o, S, R, and the inverses and the states
+    kept for the backward)."""
     o, S, R, inverse, kept_states = chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0,
                                                   cu_seqlens, CHUNK_SIZE, training=True)
     return (o, S, (_absent(S) if R is None else R), (_absent(q) if inverse is None else inverse),
@@ -2361,7 +2364,7 @@ def _register_ops():
     def _(q, k, v, g, beta, gamma, gamma_write, S0, R0, cu_seqlens, update, clip, scale):
         S = _contiguous_like(S0)
         B, T, HV = v.shape[:3]
-        inverse = q.new_empty(B * T, HV, CHUNK_SIZE) if update == "delta" and gamma is None else _absent(q)
+        inverse = q.new_empty(1 + (gamma is not None), B * T, HV, CHUNK_SIZE) if update == "delta" else _absent(q)
         segment_chunks, segments = kept_segments(update, cu_seqlens is not None, B, HV, _cdiv(T, CHUNK_SIZE))
         kept_states = S.new_empty(1 + (gamma is not None), B * segments, *S.shape[1:]) if segment_chunks else \
             _absent(S)

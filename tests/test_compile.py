@@ -47,8 +47,8 @@ def test_reslin_attention_compiles_without_graph_breaks(update, residual):
 def test_custom_ops_pass_opcheck_with_strided_inputs(update, residual, monkeypatch):
     """The fake implementations give the real outputs' shapes, dtypes and strides (inductor asserts
     the strides; a model hands the ops views of its projections, not contiguous tensors), and the
-    registered autograd formula holds under AOT dispatch; the delta rule without the residual
-    state hands its T^-1 from the forward op to the backward op, and the delta rule its kept
+    registered autograd formula holds under AOT dispatch; the delta rule hands its inverses (T^-1,
+    and T_R^-1 with the residual state) from the forward op to the backward op, and its kept
     states (three segments of a row of three chunks here)."""
     keep_states_of_short_rows(monkeypatch, sequence_heads=6)
     x = make_inputs(1, 140, 2, 2, 16, 16, residual)

@@ -306,8 +306,8 @@ def test_backward_keeps_the_forwards_clip_decisions(name, update, residual, kacz
 
 @pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "delta"])
 def test_delta_rule_backward_takes_the_forwards_inverse(name, update, residual, kaczmarz, monkeypatch):
-    """The forward op keeps T^-1 for the delta rule without the residual state, and the backward
-    uses it instead of forming it again; the residual rules form theirs again. Here the output
+    """The forward op keeps the delta rule's inverses (T^-1, and T_R^-1 with the residual state),
+    and the backward uses them instead of forming them again. Here the output
     is left unused (its gradient arrives as None) and the final states carry the loss: every
     gradient against the reference, relative error <= 1e-5 in fp32."""
     kept = []
@@ -325,7 +325,7 @@ def test_delta_rule_backward_takes_the_forwards_inverse(name, update, residual, 
                                      backend=backend, gamma_write=leaves["gamma_write"])
         loss = S.square().sum() + (R.square().sum() if residual else 0)
         gradients.append(torch.autograd.grad(loss, [leaves[n] for n in names], materialize_grads=True))  # dq = 0
-    assert kept == [not residual]
+    assert kept == [True]
     for name, ref, got in zip(names, *gradients):
         assert rel_err(got, ref) < 1e-5, f"d{name}: {rel_err(got, ref):.2e}"
 
