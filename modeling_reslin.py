@@ -216,21 +216,27 @@ class ResLinLinearAttention(nn.Module):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
 
-    def input_projections(self, x):
-        """q, k and v before their convolutions and the gates' a, b and c (c None without the
-        residual state). A generation step on CUDA takes them from one GEMM over the weights side by
+    def input_projections(self, x, norm=None):
+        """q, k and v before their convolutions, the gates' a, b and c (c None without the residual
+        state) and the output norm's gate, of x, or with `norm` of norm(x): the norm then gives the
+        projections' outputs itself (the fused path keeps no normed copy of x for their weights'
+        gradients). A generation step on CUDA takes them from one GEMM over the weights side by
         side: at a few rows each projection is a launch on few SMs (H200, 400M shape, B = 1: about 7
         us for q, k or v, 4 us for a gate, against one GEMM and the weights' copy)."""
         projections = [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj]
         if self.use_residual:
             projections.append(self.gamma_proj)
+        projections.append(self.g_proj)
         if (x.shape[1] == 1 and runs_fused(self.fused, x) and not torch.is_grad_enabled()
                 and all(map(is_plain_linear, projections))):
+            x = x if norm is None else norm(x)
             weight = torch.cat([projection.weight for projection in projections])
             outputs = F.linear(x, weight).split([projection.out_features for projection in projections], dim=-1)
+        elif norm is not None:
+            outputs = norm(x, projections)
         else:
             outputs = [projection(x) for projection in projections]
-        return tuple(outputs) if self.use_residual else (*outputs, None)
+        return tuple(outputs) if self.use_residual else (*outputs[:5], None, outputs[5])
 
     def gates(self, a, b, c):
         """In fp32 from the gates' projections: g = -exp(A_log) * softplus(a + dt_bias) <= 0,
@@ -241,16 +247,18 @@ class ResLinLinearAttention(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return g, b.float().sigmoid(), None if c is None else c.float().sigmoid()
 
-    def forward(self, x, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None):
+    def forward(self, x, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None, norm=None):
         """`attention_mask`: None (no padding) or bool [B, past + T]. `cu_seqlens`: packed
-        sequences in one row, whose `position_ids` then restart at 0 for each sequence."""
+        sequences in one row, whose `position_ids` then restart at 0 for each sequence. `norm`: the
+        block's norm, applied to x here (`input_projections`), or None where x is normed already."""
         B, T, _ = x.shape
         # A decode step's token is real in every row: generate extends the mask with ones, and the
         # padding of earlier tokens is in the states already (transformers 5.24's own recurrent
         # layers skip it for one token too: masking_utils.create_recurrent_attention_mask).
         token_mask = None if attention_mask is None or is_decode_step(cache, T) else attention_mask[:, -T:]
         if token_mask is not None:
-            # Zero inputs keep the short convolutions' windows as if padding were not there.
+            # Zero inputs keep the short convolutions' windows as if padding were not there (a zero
+            # row's norm is zero: masking before the norm is masking after it).
             x = x * token_mask[..., None].to(x.dtype)
 
         conv_state = cache.conv_states[self.layer_idx] if cache is not None else None
@@ -258,7 +266,7 @@ class ResLinLinearAttention(nn.Module):
         positions = position_ids if cu_seqlens is not None else None
         # q and k come out of their convolutions L2-normalised per head; KLA keeps raw keys.
         kaczmarz = self.step_rule == "kaczmarz"
-        q, k, v, a, b, c = self.input_projections(x)
+        q, k, v, a, b, c, gate = self.input_projections(x, norm)
         q, q_state = self.q_conv1d(q, q_state, positions, l2_head_size=self.head_dim)
         k, k_state = self.k_conv1d(k, k_state, positions, None if kaczmarz else self.head_dim)
         v, v_state = self.v_conv1d(v, v_state, positions)
@@ -299,8 +307,7 @@ class ResLinLinearAttention(nn.Module):
         if cache is not None:
             cache.update_linear(self.layer_idx, (q_state, k_state, v_state), state)
 
-        gate = self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
-        o, = self.o_norm(o, gate, (self.o_proj,))
+        o, = self.o_norm(o, gate.view(B, T, self.num_v_heads, self.head_v_dim), (self.o_proj,))
         return o
 
 
@@ -350,11 +357,15 @@ class ResLinAttention(nn.Module):
         # its output only ever reaches padded positions, which later layers ignore.
         return visible | ~visible.any(-1, keepdim=True)
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None):
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None, norm=None):
+        """`norm`: the block's norm, applied to hidden_states here, or None where they are normed already."""
         B, T, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = (norm(hidden_states, projections) if norm is not None
+                   else (projection(hidden_states) for projection in projections))
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.rotary(position_ids, q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -406,8 +417,8 @@ class ResLinBlock(GradientCheckpointingLayer):
         self.mlp = ResLinMLP(config)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None):
-        hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), attention_mask, position_ids, cache,
-                                                  cu_seqlens)
+        hidden_states = hidden_states + self.attn(hidden_states, attention_mask, position_ids, cache, cu_seqlens,
+                                                  norm=self.attn_norm)
         return hidden_states + self.mlp(hidden_states, self.mlp_norm)
 
 

@@ -238,7 +238,7 @@ def check_gates(reslin, monkeypatch, mixer_name, dtype, **overrides):
         with torch.no_grad():
             x *= 60 / layer.a_proj(x).abs().max()  # a_proj x + dt_bias spans about -60 to 60
             layer.fused = True
-            a, b, c = layer.input_projections(x)[3:]
+            a, b, c = layer.input_projections(x)[3:6]
             fused = layer.gates(a, b, c)
             layer.fused = False
             reference = layer.gates(a, b, c)
@@ -280,21 +280,26 @@ def test_gates_read_each_input_at_its_own_row_stride():
 
 @pytest.mark.parametrize("mixer_name", ["gdn", "rdn"])
 def test_input_projections_in_one_gemm_at_a_step(reslin, monkeypatch, mixer_name):
-    """At a generation step (one token a row, no autograd) the layer's q, k, v, a, b (and c) are
-    column slices of one GEMM, equal to each projection's own call within 1e-6 (fp32); a prefill,
-    or a projection that is not a plain nn.Linear (a hook here, as PEFT's wrappers), calls each."""
+    """At a generation step (one token a row, no autograd) the layer's q, k, v, a, b (and c) and
+    the output norm's gate are column slices of one GEMM, equal to each projection's own call
+    within 1e-6 (fp32); a prefill, or a projection that is not a plain nn.Linear (a hook here, as
+    PEFT's wrappers), calls each. With the block's norm handed over, the same of the normed x."""
     if DEVICE == "cpu":
         monkeypatch.setattr(reslin.modeling, "runs_fused", lambda fused, x: fused)
-    layer = build_model(mixer_name).to(DEVICE).model.layers[0].attn
+    block = build_model(mixer_name).to(DEVICE).model.layers[0]
+    layer = block.attn
+    torch.nn.init.normal_(block.attn_norm.weight, 1.0, 0.5)
     projections = [layer.q_proj, layer.k_proj, layer.v_proj, layer.a_proj, layer.b_proj,
-                   getattr(layer, "gamma_proj", None)]
+                   getattr(layer, "gamma_proj", None), layer.g_proj]
     torch.manual_seed(0)
-    for T, hooked in ((1, False), (4, False), (1, True)):
+    for T, hooked, norm in ((1, False, None), (4, False, None), (1, True, None), (1, False, block.attn_norm),
+                            (4, False, block.attn_norm), (4, True, block.attn_norm)):
         x = torch.randn(3, T, layer.q_proj.in_features, device=DEVICE)
         hook = layer.k_proj.register_forward_hook(lambda module, args, out: out + 1) if hooked else None
         with torch.no_grad():
-            outputs = layer.input_projections(x)
-            expected = [None if projection is None else projection(x) for projection in projections]
+            outputs = layer.input_projections(x, norm)
+            normed = x if norm is None else F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+            expected = [None if projection is None else projection(normed) for projection in projections]
         if hook is not None:
             hook.remove()
         assert outputs[0].is_contiguous() == (T > 1 or hooked)
@@ -423,10 +428,10 @@ def test_down_projection_taken_along_only_when_plain(reslin, monkeypatch):
 
 @pytest.mark.parametrize("mixer_name", ["gdn", "kla", "rdn"])
 def test_fused_block_keeps_few_activations(reslin, monkeypatch, mixer_name):
-    """A block through the fused layers keeps, per token, 11 tensors as wide as the hidden size
-    (the two norms' inputs, the attention's norm's output, q, k, v before and after their
-    convolutions, the output gate and the attention's output: the MLP's norm and the gated norm
-    hand their outputs to their projections without keeping them), SwiGLU's two inputs, for the
+    """A block through the fused layers keeps, per token, 10 tensors as wide as the hidden size
+    (the two norms' inputs, q, k, v before and after their convolutions, the output gate and the
+    attention's output: the norms hand their outputs to the projections after them without
+    keeping them), SwiGLU's two inputs, for the
     delta rule T^-1's row of 64 (the chunk) per head, and T_R^-1's with the residual state, which
     the backward takes from the forward, and the gates: within 3% of that sum in fp32 (the gates and the
     per-sequence initial states). The torch code keeps 1.5x as much or more (SiLU's outputs, q
@@ -442,7 +447,7 @@ def test_fused_block_keeps_few_activations(reslin, monkeypatch, mixer_name):
     block = reslin.modeling.ResLinBlock(config, 0).to(DEVICE)
     x = torch.randn(1, 256, hidden, device=DEVICE, requires_grad=True)
     kept_inverse = 2 * 64 * (2 if mixer_name == "rdn" else 1)  # 2 heads; RDN keeps two inverses
-    expected = 4 * (11 * hidden + 2 * inner + kept_inverse)
+    expected = 4 * (10 * hidden + 2 * inner + kept_inverse)
     fused = kept_bytes_per_token(block, x)
     assert expected <= fused < 1.03 * expected
     set_fused(block, False)
