@@ -1214,10 +1214,10 @@ class _ChunkRun:
     cheaper than keeping h) and reads it, but for the delta rule's inverses, T^-1 (and T_R^-1
     with the residual state): a training forward keeps them, as FLA keeps its A, one [1 or 2,
     tokens, heads, chunk] tensor in the input dtype, and the backward, given it (`inverse`), skips
-    the gram kernel (RDN: -43 to -47 us of a training call at H16 D128, session 29; RLA's P is
-    formed again, by the writes kernel). A training
-    forward of the delta rule over few long rows also keeps the fp32 states at its segments'
-    starts (`kept_segments`), from which the backward's passes run every segment at once
+    the gram kernel (RDN: -63 us of a training call at B8xT2048 H16 D128, -65 at B2xT8192, replayed
+    on the H200 in session 49; RLA's P is formed again, by the writes kernel). A training forward
+    of the delta rule over few long rows also keeps the fp32 states at its segments' starts
+    (`kept_segments`), from which the backward's passes run every segment at once
     (`kept_states`)."""
 
     def __init__(self, q, k, v, g, beta, gamma, gamma_write, update, clip, S0, R0, cu_seqlens, chunk_size,
@@ -1657,8 +1657,9 @@ def chunk_forward(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
     """Forward of every rule over [B, T] or packed (cu_seqlens) sequences, the same contract as
     kernels_reslin_torch.chunk_reslin: returns (o in v's dtype, S, R) with fp32 states. With
     `training` two values more, what chunk_backward reads if given: the inverses (`inverse`, [1 or
-    2, tokens, HV, chunk]: T^-1 and T_R^-1; None but for the delta rule) and the kept states (`kept_states`, [1 or 2
-    states, rows x segments, HV, Dk, Dv] fp32; None but where `kept_segments` keeps some).
+    2, tokens, HV, chunk]: T^-1 and T_R^-1; None but for the delta rule) and the kept states
+    (`kept_states`, [1 or 2 states, rows x segments, HV, Dk, Dv] fp32; None but where
+    `kept_segments` keeps some).
     chunk_size None: `forward_chunk_size`'s (a differentiable call passes the backward's,
     CHUNK_SIZE)."""
     if chunk_size is None:
