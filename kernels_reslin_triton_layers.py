@@ -184,11 +184,10 @@ class _RMSNormProjections(torch.autograd.Function):
         for dz, projection in zip(d_outputs[1:], projections[1:]):
             dy = torch.addmm(dy, dz, projection)  # the sum over the projections, in the GEMM's epilogue
         dx, dweight, dgate = _rms_norm_backward(x2, weight, gate2, dy, ctx.eps)
-        dprojections = [None] * len(projections)
-        if any(ctx.needs_input_grad[4:]):
-            y = _rms_norm_forward(x2, weight, gate2, ctx.eps).view(dy.shape)
-            dprojections = [(dz.t() @ y).to(projection.dtype) if needed else None
-                            for dz, projection, needed in zip(d_outputs, projections, ctx.needs_input_grad[4:])]
+        needed = ctx.needs_input_grad[4:]
+        y = _rms_norm_forward(x2, weight, gate2, ctx.eps).view(dy.shape) if any(needed) else None
+        dprojections = [(dz.t() @ y).to(projection.dtype) if wanted else None
+                        for dz, projection, wanted in zip(d_outputs, projections, needed)]
         return (dx.view(ctx.shape), dweight, None if dgate is None else dgate.view(ctx.shape), None,
                 *dprojections)
 

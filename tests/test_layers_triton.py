@@ -431,10 +431,9 @@ def test_fused_block_keeps_few_activations(reslin, monkeypatch, mixer_name):
     """A block through the fused layers keeps, per token, 10 tensors as wide as the hidden size
     (the two norms' inputs, q, k, v before and after their convolutions, the output gate and the
     attention's output: the norms hand their outputs to the projections after them without
-    keeping them), SwiGLU's two inputs, for the
-    delta rule T^-1's row of 64 (the chunk) per head, and T_R^-1's with the residual state, which
-    the backward takes from the forward, and the gates: within 3% of that sum in fp32 (the gates and the
-    per-sequence initial states). The torch code keeps 1.5x as much or more (SiLU's outputs, q
+    keeping them), SwiGLU's two inputs, for the delta rule T^-1's row of 64 (the chunk) per head,
+    and T_R^-1's with the residual state, which the backward takes from the forward, and the
+    gates: within 3% of that sum in fp32 (the gates and the per-sequence initial states). The torch code keeps 1.5x as much or more (SiLU's outputs, q
     and k before their norms, SwiGLU's product; in bf16 also its fp32 copies)."""
     sys.path.insert(0, str(reslin.repo_root / "benchmarks"))
     from saved_activations import kept_bytes_per_token
