@@ -460,6 +460,21 @@ class ResLinPreTrainedModel(PreTrainedModel):
             init.copy_(module.A_log, A.log())
             dt = torch.exp(torch.rand_like(A) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp(min=1e-4)
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+            if module.step_rule == "kaczmarz":
+                # Raw keys: their scale sets the Kaczmarz step eta / ||k||^2 and how large a stored value
+                # reads back, so it must be of order 1 at init (std-0.02 taps gave ~0.004).
+                init.normal_(module.k_conv1d.weight, std=raw_key_tap_std(self.config))
+
+
+def raw_key_tap_std(config):
+    """The std of `k_conv1d`'s taps that gives a raw key (KLA, RKLA) an expected squared norm of about 1
+    per head at initialisation, whatever the sizes (the KLA authors' PyTorch-default initialisation gives
+    about 3 at their shapes). The layer's input is RMS-normed, so a k_proj output has variance
+    hidden_size * std^2; conv_size taps of variance s^2 make the convolution's output variance
+    conv_size * s^2 * hidden_size * std^2; SiLU(y) ~ y / 2 for small y, so a variance of 4 / head_dim
+    gives E||k||^2 = 1 + 3 / head_dim (SiLU's next term)."""
+    projection_std = config.initializer_range or 0.02  # k_proj's std in PreTrainedModel._init_weights
+    return 2 / (projection_std * math.sqrt(config.conv_size * config.hidden_size * config.head_dim))
 
 
 def is_decode_step(cache, num_tokens):
