@@ -233,9 +233,19 @@ class ResLinConfig(PretrainedConfig):
             for setting, preset_value in ATTN_PRESETS[value].items():
                 super().__setattr__(setting, preset_value)
 
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        # from_pretrained(path, field=value) lands here: transformers builds the config from the
+        # file, then applies the keyword overrides with setattr, past __init__'s checks. Check the
+        # result, so that a bad override fails now rather than when a model is built.
+        loaded = super().from_dict(config_dict, **kwargs)
+        config = loaded[0] if kwargs.get("return_unused_kwargs") else loaded
+        config.check_fields()
+        return loaded
+
     def validate(self):
-        """transformers' validation hook (it runs it on save); the model runs it when it is built,
-        since from_pretrained applies keyword overrides with setattr after __init__."""
+        """transformers' validation hook (it runs it on save); the model runs it too when it is
+        built, since fields may have been assigned one by one since the config was made."""
         self.check_fields()
         super().validate()
 

@@ -128,17 +128,34 @@ def test_repository_config_is_valid(reslin):
 
 def test_from_pretrained_overrides_switch_presets_and_are_checked(reslin, tiny_config, tmp_path):
     """from_pretrained(..., field=value) sets fields with setattr after __init__: attn_type must
-    still switch the whole preset, and a bad value must still fail, when the model is built."""
+    still switch the whole preset, and a bad value must fail there, naming the field."""
     tiny_config("rdn").save_pretrained(tmp_path)
     kla = reslin.ResLinConfig.from_pretrained(tmp_path, attn_type="kla")
     assert (kla.update_rule, kla.step_rule, kla.use_residual) == ("delta", "kaczmarz", False)
     model = reslin.ResLinForCausalLM(kla)
     assert model.model.layers[0].attn.step_rule == "kaczmarz"
     assert not hasattr(model.model.layers[0].attn, "gamma_proj")
+    config, unused = reslin.ResLinConfig.from_pretrained(tmp_path, residual_clip=0.5, not_a_field=1,
+                                                         return_unused_kwargs=True)
+    assert config.residual_clip == 0.5 and unused == {"not_a_field": 1}
 
-    too_big = reslin.ResLinConfig.from_pretrained(tmp_path, head_dim=1000)
-    with pytest.raises(ValueError, match="head_dim"):
-        reslin.ResLinForCausalLM(too_big)
+    for override, field in (({"attn_type": "foo"}, "attn_type"), ({"residual_clip": -1}, "residual_clip"),
+                            ({"head_dim": 1000}, "head_dim"), ({"layer_types": ["mamba", "mamba"]}, "layer_types"),
+                            ({"num_v_heads": 3}, "num_v_heads")):
+        with pytest.raises(ValueError, match=field):
+            reslin.ResLinConfig.from_pretrained(tmp_path, **override)
+
+
+def test_auto_classes_check_overrides(reslin, repo_copy, load_remote):
+    """The same through the Auto classes and the remote-code loader, before any weight is read."""
+    with pytest.raises(ValueError, match="attn_type"):
+        load_remote(repo_copy, "AutoConfig", attn_type="foo")
+    with pytest.raises(ValueError, match="residual_clip"):
+        load_remote(repo_copy, residual_clip=-1)
+
+
+def test_fields_assigned_after_loading_are_checked_when_the_model_is_built(reslin, tiny_config, tmp_path):
+    tiny_config("rdn").save_pretrained(tmp_path)
     contradiction = reslin.ResLinConfig.from_pretrained(tmp_path, attn_type="gdn")
     contradiction.use_residual = True
     with pytest.raises(ValueError, match="use_residual"):
