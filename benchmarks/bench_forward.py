@@ -6,7 +6,7 @@ For each rule and shape (bf16 q, k, v; fp32 gates; H heads, Dk = Dv = D) it prin
 nearest one, when FLA is importable (carried as wheels). Every call of a shape is timed in
 --rounds interleaved rounds (each the median of --repeats calls) and the median round is kept:
 FLA's calls are partly bound by their host side, and one timing per row varied up to 1.9x for
-the same call (session 5). FLA is timed once per baseline and shape, on the inputs of the first
+the same call. FLA is timed once per baseline and shape, on the inputs of the first
 rule compared with it (its time does not depend on the values), so every row of a baseline
 shares one denominator:
 
@@ -44,8 +44,8 @@ With --graphs every timed call, ours and FLA's, is captured once in a CUDA graph
 warm-up and timed by replaying it (common.graph_replay): the host's time leaves both sides, so
 that FLA's call is timed at its GPU-bound speed whatever the host. On the H200 machine FLA's
 calls are partly bound by a host whose speed differs between machine starts (its delta rule's
-training call at B2 x T8192 took 2.322 to 3.721 ms in sessions 26-39): without graphs a slow
-host flatters the ratios. A call that cannot be captured is timed eagerly, and a line says so.
+training call at B2 x T8192 took 2.3 to 3.7 ms in different starts): without graphs a slow host
+flatters the ratios. A call that cannot be captured is timed eagerly, and a line says so.
 
     python benchmarks/bench_forward.py [--shapes 8x2048 2x8192 1x32768] [--heads 16] [--dim 128]
                                        [--rules ...] [--backend triton|torch] [--repeats 10]

@@ -86,9 +86,9 @@ def retune_fla():
     keeps them off the disk. FLA's autotuners time their configs once a process and shape, keep
     the fastest, and by default have Triton store it on disk, where a later process on the same
     machine reads it back. Whether that pick is why FLA's times move between runs is what this
-    lets a benchmark measure: its B1 x T32768 forward took 0.734, 0.606 and 0.528 ms (simple
-    GLA) and 1.45 and 1.27 ms (delta rule) in runs of sessions 19-21 on the H200, while each
-    run's range stayed within 5% and ours within 2%."""
+    lets a benchmark measure: its B1 x T32768 forward took 0.53 to 0.73 ms (simple GLA) and 1.27
+    to 1.45 ms (delta rule) in runs a day apart on the H200, while each run's range stayed
+    within 5% and ours within 2%."""
     for tuner in fla_autotuners():
         tuner.cache.clear()
         tuner.cache_results = False

@@ -12,7 +12,7 @@ DDP. tests/launch_train.py lets accelerate take FSDP there (torch's FSDP2 itself
 so the CPU tests run train.py's FSDP2 path: sharding by ResLinBlock, gathered checkpoints, resume.
 
 GPU runs (bf16 autocast, Triton kernels): two GPUs against one within BF16_RTOL. Measured on
-2 x H200 (session 5), largest relative difference of the 20 losses: 2.1e-4 under DDP, 5.0e-4
+2 x H200 (2026-11-30), largest relative difference of the 20 losses: 2.1e-4 under DDP, 5.0e-4
 under FSDP2 (then within a looser 2e-2); BF16_RTOL is 10x the larger.
 """
 

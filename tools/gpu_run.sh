@@ -10,12 +10,11 @@
 #
 # Jobs (limit in seconds):
 #   tests        pytest -m gpu: the GPU tests, 4 workers (560; on a freshly started machine they
-#                took longer in session 15: run its parts in calls of their own)
+#                can take longer: then run its parts in calls of their own)
 #   tests-kernels  tests/test_gpu.py, the chunked kernels at real sizes (560)
 #   tests-graphs   tests/test_cuda_graphs.py, generation through CUDA graphs (560)
 #   tests-others   the GPU tests of every other file: conversion, fused layers, MQAR, and the two-GPU
-#                tests, which skip on one GPU (560; with tests-graphs it did not end within 560 s
-#                in session 21)
+#                tests, which skip on one GPU (560; with tests-graphs it did not end within 560 s)
 #   The test jobs name every test as it ends (-v), so that a job cut short says what ran.
 #   suite        the whole test suite, compiled kernels (600)
 #   layers       the fused layer kernels' tests and the PEFT tests, all of them compiled (240)
@@ -23,8 +22,8 @@
 #   forward      benchmarks/bench_forward.py (240)
 #   backward     benchmarks/bench_forward.py --backward (420)
 #   forward-graphs   bench_forward.py --graphs: ours and FLA's calls replayed from CUDA graphs (240)
-#   backward-graphs  bench_forward.py --backward --graphs (570; the eager job took 367 s in session 39,
-#                and 3 rules with graphs printed no row in 250 s in session 40: a call of its own)
+#   backward-graphs  bench_forward.py --backward --graphs (570; compiles every rule first, then times:
+#                give it a call of its own)
 #   kernels      benchmarks/kernel_times.py, forward and backward (300)
 #   variants     benchmarks/kernel_variants.py --backward: this tree's kernels file beside every copy in
 #                scratch/variants/*.py (carry scratch), each compiled first in a process of its own; more
@@ -35,8 +34,8 @@
 #                replays is the kernels file it imports, so copies take turns in it; the file is put
 #                back at the end); every copy compiled first, all at once on tiny shapes; more
 #                bench_forward options in $GRAPHS_ARGS ("--rules sgla rla --shapes 8x2048", "--backward")
-#                (540). Session 41's PDL gains showed replayed only: kernel_variants times kernels
-#                and eager calls.
+#                (540). For changes that show only replayed (launch overlap, PDL): kernel_variants
+#                times kernels and eager calls.
 #   decode       benchmarks/bench_decode.py (180)
 #   generate     benchmarks/bench_generate.py (600)
 #   training     benchmarks/bench_training.py (600)
