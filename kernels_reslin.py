@@ -22,10 +22,12 @@ elsewhere). ``reslin_decode_step`` advances a generation cache's states in place
 """
 
 import os
+from typing import Optional, Tuple
 
 import torch
 
-# Relative imports for the remote-code loader; plain ones for `from kernels_reslin import ...`.
+# Every module imports its siblings relatively (`from .x import y`: the remote-code loader follows
+# these and copies the files), else plainly, for a folder on sys.path (`import kernels_reslin`).
 try:
     from .kernels_reslin_torch import chunk_reslin, recurrent_reslin, sequence_bounds
 except ImportError:
@@ -40,10 +42,13 @@ try:
 except ImportError:  # no Triton installed: the "torch" backend serves everywhere
     triton_chunk_attention = triton_decode_step = None
 
+# The rules, backends and head sizes the kernels take; configuration_reslin checks a config against them.
 UPDATE_RULES = ("delta", "additive")
 BACKENDS = ("auto", "torch", "triton", "recurrent")
 MAX_HEAD_DIM = 256
 CHUNKED_HEAD_DIM_MULTIPLE = 16
+
+State = Tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
 def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend):
@@ -106,9 +111,12 @@ def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_st
                                  f"got {tuple(state.shape)}")
 
 
-def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, scale=None,
-                     initial_state=None, output_final_state=False, cu_seqlens=None, backend="auto",
-                     gamma_write=None):
+def reslin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     gamma: Optional[torch.Tensor] = None, *, update: str = "delta", clip: float = 1.0,
+                     scale: Optional[float] = None, initial_state: Optional[State] = None,
+                     output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+                     backend: str = "auto",
+                     gamma_write: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[State]]:
     """Residual / Kaczmarz / gated-delta / gated-linear attention over a sequence.
 
     Args:
@@ -116,6 +124,7 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
             HV / H consecutive value heads.
         g: [B, T, HV] log decay (<= 0). beta: [B, T, HV] base write strength.
         gamma: [B, T, HV] correction gate of the residual state, or None for no residual state.
+        The rest are keyword-only.
         update: "delta" (GDN, KLA, RDN) or "additive" (sGLA, RLA).
         clip: the residual clip threshold c. scale: defaults to Dk ** -0.5.
         initial_state: None or (S0, R0), each [N, HV, Dk, Dv] fp32 (N = B, or the number of
@@ -134,8 +143,8 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
         without gamma), or None unless output_final_state.
     """
     _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend)
-    backend = _resolve_backend(backend, q, v, cu_seqlens, q, k, v, g, beta, gamma, gamma_write,
-                               *(initial_state or ()))
+    needs_grad = _needs_grad(q, k, v, g, beta, gamma, gamma_write, *(initial_state or ()))
+    backend = _resolve_backend(backend, q, v, cu_seqlens, needs_grad)
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -143,18 +152,21 @@ def reslin_attention(q, k, v, g, beta, gamma=None, update="delta", clip=1.0, sca
     zeros = lambda: q.new_zeros(N, HV, Dk, Dv, dtype=torch.float32)  # noqa: E731
     S0 = zeros() if S0 is None else S0.float()
     R0 = None if gamma is None else (zeros() if R0 is None else R0.float())
-    if backend == "triton" and T == 1 and cu_seqlens is None:
+    if backend == "triton" and _is_decode(q, cu_seqlens, needs_grad):
         # The decode kernel advances states in place: give it copies, never the caller's state.
         S0, R0 = (None if x is None else x.clone(memory_format=torch.contiguous_format) for x in (S0, R0))
-    o, S, R = _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens)
+    o, S, R = _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, needs_grad)
     return o, ((S, R) if output_final_state else None)
 
 
-def reslin_decode_step(q, k, v, g, beta, state, gamma=None, gamma_write=None, update="delta", clip=1.0,
-                       scale=None, backend="auto"):
+def reslin_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: State, *, gamma: Optional[torch.Tensor] = None,
+                       gamma_write: Optional[torch.Tensor] = None, update: str = "delta", clip: float = 1.0,
+                       scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
     """One token for a batch of sequences, advancing ``state = (S, R)`` in place: what generation
-    calls at every step. Inputs shaped as for reslin_attention with T = 1; S and R fp32
-    [B, HV, Dk, Dv] (R None without gamma). Returns o [B, 1, HV, Dv] in v's dtype."""
+    calls at every step. Inputs shaped as for reslin_attention with T = 1 (the arguments after
+    `state` keyword-only); S and R fp32 [B, HV, Dk, Dv] (R None without gamma). Returns
+    o [B, 1, HV, Dv] in v's dtype."""
     _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, state, None, backend)
     S, R = state
     if q.shape[1] != 1:
@@ -164,8 +176,10 @@ def reslin_decode_step(q, k, v, g, beta, state, gamma=None, gamma_write=None, up
     for name, x in (("S", S), ("R", R)):
         if x is not None and (x.dtype != torch.float32 or not x.is_contiguous()):
             raise ValueError(f"state {name} must be a contiguous fp32 tensor, got {x.dtype}")
-    backend = _resolve_backend(backend, q, v, None, q, k, v, g, beta, gamma, gamma_write, S, R)
-    o, S_next, R_next = _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S, R, None)
+    needs_grad = _needs_grad(q, k, v, g, beta, gamma, gamma_write, S, R)
+    backend = _resolve_backend(backend, q, v, None, needs_grad)
+    o, S_next, R_next = _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S, R, None,
+                             needs_grad)
     if S_next is not S:  # the torch backends return new states; the Triton kernel wrote in place
         S.copy_(S_next)
         if R is not None:
@@ -173,22 +187,22 @@ def reslin_decode_step(q, k, v, g, beta, state, gamma=None, gamma_write=None, up
     return o
 
 
-def _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens):
+def _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, needs_grad):
     """Checked inputs, a concrete backend and fp32 states (the decode kernel advances them in
-    place). Returns (o in v's dtype, S, R)."""
+    place); `needs_grad`: whether autograd needs a backward of this call. Returns (o in v's
+    dtype, S, R)."""
     H, Dk = q.shape[2:]
     HV = v.shape[2]
     if gamma is not None and gamma_write is None:
         gamma_write = gamma
     if scale is None:
         scale = Dk ** -0.5
-    if backend == "triton" and q.shape[1] == 1 and cu_seqlens is None and not _needs_grad(
-            q, k, v, g, beta, gamma, gamma_write, S0, R0):
+    if backend == "triton" and _is_decode(q, cu_seqlens, needs_grad):
         o = triton_decode_step(q, k, v, g, beta, gamma, gamma_write, S0, R0, update, float(clip), scale)
         return o, S0, R0
     if backend == "triton":
         return triton_chunk_attention(q, k, v, g, beta, gamma, gamma_write, update, float(clip), scale, S0, R0,
-                                      cu_seqlens)
+                                      cu_seqlens, needs_grad)
     if HV != H:
         q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
     run = recurrent_reslin if backend == "recurrent" else chunk_reslin
@@ -197,20 +211,22 @@ def _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0,
 
 
 def _needs_grad(*tensors):
+    """Whether autograd needs a backward of a call on `tensors` (every input and state): decided
+    once a call, and passed down."""
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
-def _resolve_backend(backend, q, v, cu_seqlens, *tensors):
-    """The concrete backend for this call: "auto" takes Triton where a Triton kernel applies.
-    ``tensors``: every input and state, to tell whether autograd needs a backward."""
-    grad = _needs_grad(*tensors)
-    # One token without a gradient takes the decode kernel; everything else the chunked kernels.
-    decode = q.shape[1] == 1 and cu_seqlens is None and not grad
+def _is_decode(q, cu_seqlens, needs_grad):
+    """One token without a gradient takes the decode kernel; everything else the chunked kernels."""
+    return q.shape[1] == 1 and cu_seqlens is None and not needs_grad
+
+
+def _resolve_backend(backend, q, v, cu_seqlens, needs_grad):
+    """The concrete backend for this call: "auto" takes Triton where a Triton kernel applies."""
+    decode = _is_decode(q, cu_seqlens, needs_grad)
     # The chunked kernels take head sizes in multiples of CHUNKED_HEAD_DIM_MULTIPLE: on the H200 a
     # key head size of 100 gave wrong outputs and illegal addresses (48, 64, 72, 80, 128, 256 were
-    # right), while Triton's interpreter computes it right: not yet understood. Every rule runs at
-    # 256, forward and backward (refused from session 4, when the fused two-state kernels of the
-    # time gave wrong values there, to session 14, which measured the one-state passes right).
+    # right), while Triton's interpreter computes it right: not yet understood.
     head_sizes_fit = all(x.shape[-1] % CHUNKED_HEAD_DIM_MULTIPLE == 0 for x in (q, v))
     if backend == "auto":
         triton_applies = triton_decode_step is not None and q.is_cuda

@@ -13,21 +13,14 @@ recomputes the rest; SwiGLU can take the down projection along, so that its prod
 either.
 """
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # modeling_reslin then runs the torch code
-    raise
-
 import contextlib
 
 import torch
 
-# Relative import for the remote-code loader; a plain one for `import kernels_reslin_triton_layers`.
 try:
-    from .kernels_reslin_triton import _cdiv, _Launcher, _next_power_of_2
+    from .kernels_reslin_triton_launch import _cdiv, _Launcher, _next_power_of_2, tl, triton
 except ImportError:
-    from kernels_reslin_triton import _cdiv, _Launcher, _next_power_of_2
+    from kernels_reslin_triton_launch import _cdiv, _Launcher, _next_power_of_2, tl, triton
 
 TILE_ELEMENTS = 4096  # elements per program in the row-wise kernels
 # Warps per program for every kernel here: with 4, ptxas spilled registers in the backward kernels
@@ -38,7 +31,8 @@ MAX_L2_HEAD_SIZE = 256  # the convolution's tile holds a whole head
 
 
 def _on_device(x):
-    """Triton launches on the current CUDA device, not on the tensors' (see kernels_reslin_triton)."""
+    """Triton launches on the current CUDA device, not on the tensors' (see
+    kernels_reslin_triton_launch._on_inputs_device)."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
@@ -360,9 +354,9 @@ def gates(a, b, c, A_log, dt_bias):
 
 
 def gates_launch(numel):
-    """Block and warps of `_gates_kernel` for numel elements. A generation step's few elements in a
-    block of their size on one warp: a block of TILE_ELEMENTS on NUM_WARPS took 5.4 us a call
-    there (H200, B = 1, 8 heads)."""
+    """Block and warps of `_gates_kernel` for numel elements: a generation step's few elements in
+    a block of their size on one warp, where a block of TILE_ELEMENTS on NUM_WARPS costs several
+    microseconds a call."""
     block = min(TILE_ELEMENTS, max(128, _next_power_of_2(numel)))
     return block, max(1, block * NUM_WARPS // TILE_ELEMENTS)
 

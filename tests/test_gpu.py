@@ -151,7 +151,7 @@ def test_triton_chunked_forward_bf16_with_repeated_keys(name, update, residual, 
     """Keys repeated in runs of about 20 tokens (1 to 119), strong writes (beta in (0.9, 1) but
     for the Kaczmarz rules) and weak decay, bf16, B2 x T4096, H = 16, D = 128: T's inverse then
     has entries of order 1 built from blocks of aligned keys, where an inverse summed as a power
-    series in tf32 cancels binomially large terms (on the H200, session 19: outputs off by 10 for
+    series in tf32 cancels binomially large terms (on the H200: outputs off by 10 for
     kla and by 1e9 for gdn, states by 7e-2 and more). Relative error <= 2e-2: on these inputs the
     intermediates stored in bf16 set a floor near 1e-2 (forward substitution and doubling alike:
     gdn 1.1e-2 for outputs, 9.0e-3 for states, as FLA 0.6.0's chunk_gated_delta_rule; rdn's R

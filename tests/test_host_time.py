@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels_reslin
-import kernels_reslin_triton
+import kernels_reslin_triton_launch
 from kernels_reslin import reslin_attention
 from test_kernels import make_inputs
 
@@ -21,13 +21,14 @@ def test_host_time_counts_the_launches_and_restores_the_kernels(capsys):
     sys.path.insert(0, str(REPO / "tools"))
     import host_time
 
+    real_launch = kernels_reslin_triton_launch._Launcher.__getitem__
     host_time.main(["--rules", "gdn", "--calls", "3"])
     line = re.search(r"gdn +forward +([\d.]+) us \((\d+) kernels\), training +([\d.]+) us \((\d+) kernels\)",
                      capsys.readouterr().out)
     assert line is not None
     forward_us, forward_kernels, training_us, training_kernels = map(float, line.groups())
     # Both timed, but not compared: with 3 calls on a loaded 2-core CI machine the forward once
-    # took 1,525 us against the training call's 266 (session 42). The counts say which does more.
+    # took several times the training call's time. The counts say which does more.
     assert forward_us > 0 and training_us > 0
     assert forward_kernels == 4 and training_kernels > forward_kernels  # gram, WY, state, output
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,4 +36,4 @@ def test_host_time_counts_the_launches_and_restores_the_kernels(capsys):
     o, _ = reslin_attention(*x, backend="triton")
     o_ref, _ = reslin_attention(*x, backend="recurrent")
     assert torch.allclose(o, o_ref, atol=1e-4)
-    assert not any(isinstance(value, host_time._CountingLauncher) for value in vars(kernels_reslin_triton).values())
+    assert kernels_reslin_triton_launch._Launcher.__getitem__ is real_launch

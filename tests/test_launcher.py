@@ -1,4 +1,4 @@
-"""kernels_reslin_triton._Launcher: a specialisation's later launches go to the binary its first
+"""kernels_reslin_triton_launch._Launcher: a specialisation's later launches go to the binary its first
 (Triton's own) launch returned, and anything a compiled kernel depends on makes a new key.
 
 On a CPU there is no binary to launch: Triton's side is a recorder here, and the first argument
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernels_reslin
-import kernels_reslin_triton
+import kernels_reslin_triton_launch
 
 pytestmark = pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")
 triton = pytest.importorskip("triton")
@@ -68,7 +68,7 @@ def launcher(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(get_current_stream=lambda device: 7))
-    launcher = kernels_reslin_triton._Launcher(triton.runtime.JITFunction(_kernel))
+    launcher = kernels_reslin_triton_launch._Launcher(triton.runtime.JITFunction(_kernel))
     assert launcher.launches == {} and launcher.by_value == (False, False, False, True, True)
     launcher.kernel = _Recorder()
     return launcher
@@ -155,11 +155,11 @@ def test_only_tritons_compiled_binaries_are_kept(launcher):
 
 def test_other_triton_versions_take_tritons_path(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.5.1")
-    assert kernels_reslin_triton._Launcher(triton.runtime.JITFunction(_kernel)).launches is None
+    assert kernels_reslin_triton_launch._Launcher(triton.runtime.JITFunction(_kernel)).launches is None
 
 
 def test_the_keys_are_forgotten_past_their_limit(launcher, monkeypatch):
-    monkeypatch.setattr(kernels_reslin_triton._Launcher, "MAX_KEYS", 3)
+    monkeypatch.setattr(kernels_reslin_triton_launch._Launcher, "MAX_KEYS", 3)
     x = torch.zeros(64).as_subclass(_OnCuda)
     for n in range(5):
         launcher[(1,)](x, n, 0.5, BLOCK=16, FACTOR=2.0)

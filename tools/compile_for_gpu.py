@@ -9,13 +9,12 @@ Register spills are only reported when a kernel is loaded on a GPU.
     python tools/compile_for_gpu.py --head-sizes 128 --dtypes bf16 --registers --cap _chunk_wy_kernel=168
 
 `--cap KERNEL=N` compiles that kernel's every variant at N registers (ptxas's maxnreg) in place
-of the launch's own cap (`kernels_reslin_triton.register_cap`): what a cap would spill, before
-a GPU call times it. A 4-warp program on an H200 runs four to a SM at <= 128 registers, three
-at <= 168, two at <= 256, and as many as its shared memory allows (232448 B a SM).
+of the launch's own cap (`kernels_reslin_triton_tuning.register_cap`): what a cap would spill,
+before a GPU call times it. A 4-warp program on an H200 runs four to a SM at <= 128 registers,
+three at <= 168, two at <= 256, and as many as its shared memory allows (232448 B a SM).
 
-The launch configurations (tiles, warps) are those kernels_reslin_triton's host code chooses for
-large batches (keep `launches` in step with it); the pipelining depths are its own
-`pipeline_stages`.
+The chunked kernels' variants (tiles, warps, stages, flags) are the launch table of
+kernels_reslin_triton_tuning (`launch_variants`), the choices the host code makes.
 """
 
 import argparse
@@ -33,9 +32,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import kernels_reslin_triton as kernels  # noqa: E402
+import kernels_reslin_triton_backward  # noqa: E402
+import kernels_reslin_triton_forward  # noqa: E402
+import kernels_reslin_triton_launch  # noqa: E402
 import kernels_reslin_triton_layers as layer_kernels  # noqa: E402
+import kernels_reslin_triton_output  # noqa: E402
+import kernels_reslin_triton_state  # noqa: E402
+import kernels_reslin_triton_tuning as tuning  # noqa: E402
+import kernels_reslin_triton_wy  # noqa: E402
 
+# The chunked kernels by name, as the launch table names them.
+KERNELS = {name: value for module in (kernels_reslin_triton_wy, kernels_reslin_triton_state,
+                                      kernels_reslin_triton_output, kernels_reslin_triton_backward)
+           for name, value in vars(module).items() if isinstance(value, kernels_reslin_triton_launch._Launcher)}
 SHARED_MEMORY = 232448
 DTYPES = {"bf16": (tl.bfloat16, "*bf16"), "fp16": (tl.float16, "*fp16"), "fp32": (tl.float32, "*fp32")}
 INDEX_POINTERS = ("cu_seqlens_ptr", "chunk_seq_ptr", "chunk_offsets_ptr")
@@ -45,99 +54,6 @@ FP32_POINTERS = ("S_ptr", "R_ptr", "G_ptr", "state_ptr", "S0_ptr", "R0_ptr", "en
                  "segment_decay_ptr", "chunk_decay_ptr", "row_factors_ptr", "chunk_factors_ptr", "g_ptr",
                  "strength_ptr", "residual_strength_ptr", "gamma_ptr", "dS_ptr", "dS0_ptr", "dR_ptr", "residual_ptr",
                  "dg_ptr", "dstrength_ptr", "dgamma_ptr", "dresidual_strength_ptr", "parts_ptr")
-
-
-def launches(BK, BV_full, delta, residual, fp32):
-    """(kernel, constexprs beyond DT/DELTA/RESIDUAL/VARLEN, num_warps, num_stages)."""
-    warps = 4 if BK <= 128 else 8
-    state_tile = min(BV_full, 64)
-    reverse_tile = state_tile  # `_ChunkRun.state_tile(reverse=True)` from 128 sequence-heads
-    stages, backward_stages = kernels.pipeline_stages(fp32, BK)
-    long_writes_tile, long_writes_warps = kernels.writes_launch(kernels.LONG_CHUNK_SIZE, BV_full, warps)
-    key_tile, keys_launches = kernels.grad_keys_launches(delta, residual, BV_full, fp32)
-    kept_chunks = (0, 32) if delta else (0,)  # KEPT_SEGMENT_CHUNKS: any nonzero value compiles alike
-    return [
-        (kernels._chunk_gram_kernel, dict(BC=64, BLOCK=16, BK=BK, STORE_P=residual and not delta), kernels.GRAM_WARPS,
-         3),
-        # U0 and W for the passes that read them; the forward's from 64 sequence-heads form their
-        # writes from T^-1 (`_ChunkRun.writes_from_inverse`), scanning g. Below 64 sequence-heads,
-        # tiles of 16 (4 stages) and 32.
-        (kernels._chunk_wy_kernel, dict(BC=64, BK=BK, BV=BV_full), warps, min(stages, 2)),
-        # The additive rule's from 128 sequence-heads scans g itself (`_ChunkRun.pass_scans_decays`).
-        # The delta rule's training forward below 128 sequence-heads keeps its segments' starts.
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=state_tile, WRITES_FROM_INVERSE=from_inverse,
-                                             BOTH_STATES=False, STORE_Z=False, SCAN_G=scan_g,
-                                             LAUNCHES_DEPENDENTS=residual, KEPT_SEGMENT_CHUNKS=kept), warps, stages)
-          for from_inverse, scan_g in (((False, False), (True, True)) if delta and BK <= 128 else
-                                       ((False, False),) if delta else ((False, False), (False, True)))
-          for kept in kept_chunks],
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, tile), WRITES_FROM_INVERSE=False,
-                                             BOTH_STATES=False, STORE_Z=False, SCAN_G=False,
-                                             LAUNCHES_DEPENDENTS=residual, KEPT_SEGMENT_CHUNKS=kept),
-           warps, kernels.state_pass_stages(stages, tile))
-          for tile in ((16, 32) if delta else (32,)) for kept in kept_chunks],
-        # The delta rule's pass with one state forms its writes from T^-1 from 32 sequence-heads on.
-        *([(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), WRITES_FROM_INVERSE=True,
-                                              BOTH_STATES=False, STORE_Z=False, SCAN_G=True, LAUNCHES_DEPENDENTS=False,
-                                              KEPT_SEGMENT_CHUNKS=kept),
-            warps, kernels.state_pass_stages(stages, 32)) for kept in kept_chunks]
-          if delta and not residual and BK <= 128 else []),
-        # The residual rules' writes of R: the forward's, and the backward's recompute (storing z); RLA's
-        # below 32 sequence-heads adding R's writes to R for its scan (ADDS_TO_STATE).
-        *[(kernels._chunk_residual_writes_kernel,
-           dict(BC=64, BK=BK, BV=min(BV_full, 64), ADDS_TO_STATE=adds, STORE_Z=store_z,
-                WRITES_FROM_INVERSE=from_inverse), warps, stages)
-          for adds in (False, True) for store_z in (False, True)
-          for from_inverse in ((False, True) if delta and not (adds or store_z) else (False,))],
-        # RLA's two passes in one (below 64 sequence-heads, so tiles of 16 or 32), forward and recompute.
-        *[(kernels._chunk_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 32), WRITES_FROM_INVERSE=False,
-                                             BOTH_STATES=True, STORE_Z=store_z, SCAN_G=False, LAUNCHES_DEPENDENTS=False,
-                                             KEPT_SEGMENT_CHUNKS=0),
-           warps, kernels.state_pass_stages(stages, 32)) for store_z in (False, True)],
-        # The cumulative log decay that the additive rule's sequential passes load.
-        (kernels._chunk_decay_kernel, dict(BC=64, BH=16), 4, 1),
-        # RLA's fused pass's factors of its gates and decays.
-        (kernels._chunk_pass_factors_kernel, dict(BC=64, BH=16), 4, 1),
-        # The additive rule's passes below 32 sequence-heads: every chunk's writes, then the scan.
-        (kernels._chunk_local_state_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64)), warps, 3),
-        (kernels._chunk_state_scan_kernel, dict(BC=64, CHUNKS=kernels.SCAN_CHUNKS, BLOCK=kernels.SCAN_BLOCK),
-         kernels.SCAN_WARPS, 3),
-        (kernels._chunk_segment_starts_kernel, dict(BK=BK, BV=state_tile), warps, 3),
-        (kernels._chunk_state_join_kernel, dict(BK=BK, BV=min(BV_full, 64)), warps, 3),
-        # The output kernel; and sGLA's forward without gradients below 64 sequence-heads, in chunks of
-        # LONG_CHUNK_SIZE: the output kernel, the state kernel (from 32 sequence-heads, tiles of 32)
-        # and the scan's kernels (below 32, RLA's too, with its writes kernel).
-        # The residual rules' from 128 sequence-heads (chunks of 64) launched dependent on R's pass (PDL).
-        *[(kernels._chunk_output_kernel, dict(BC=chunk, BR=kernels.OUTPUT_ROWS, BK=BK,
-                                             BV=kernels.output_tile(BK, BV_full), DEPENDENT=dependent), warps, stages)
-          for chunk, dependent in ((64, False), (kernels.LONG_CHUNK_SIZE, False), *(((64, True),) if residual else ()))],
-        (kernels._chunk_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 32),
-                                           WRITES_FROM_INVERSE=False, BOTH_STATES=False, STORE_Z=False, SCAN_G=False,
-                                           LAUNCHES_DEPENDENTS=False, KEPT_SEGMENT_CHUNKS=0),
-         warps, kernels.state_pass_stages(stages, 32)),
-        (kernels._chunk_local_state_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=min(BV_full, 64)), warps, 3),
-        (kernels._chunk_state_scan_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, CHUNKS=kernels.SCAN_CHUNKS,
-                                                BLOCK=kernels.SCAN_BLOCK), kernels.SCAN_WARPS, 3),
-        (kernels._chunk_residual_writes_kernel, dict(BC=kernels.LONG_CHUNK_SIZE, BK=BK, BV=long_writes_tile,
-                                                     ADDS_TO_STATE=True, STORE_Z=False, WRITES_FROM_INVERSE=False),
-         long_writes_warps, stages),
-        (kernels._chunk_local_grad_kernel, dict(BC=64, BK=BK, BV=kernels.local_grad_tile(delta, residual, BV_full),
-                                                 STATE_PART=not delta), warps, 3),
-        # The reverse passes: S's alone, or R's (gamma dO) then S's (with pred's dz), and between them dz;
-        # S's of the residual rules then launches the keys' gradients' queries side as its dependent (PDL).
-        *[(kernels._chunk_state_backward_kernel, dict(BC=64, BK=BK, BV=reverse_tile, GATED_READ=gated, PRED=pred,
-                                                       WHOLE_DU=delta, FINAL_GRAD=True, LAUNCHES_DEPENDENTS=pred),
-           kernels.reverse_warps(reverse_tile, warps), backward_stages)
-          for gated, pred in (((True, False), (False, True)) if residual else ((False, False),))],
-        (kernels._chunk_residual_grad_kernel, dict(BC=64, BV=min(BV_full, 64)), warps, 1),
-        *[(kernels._chunk_grad_keys_kernel, dict(BC=64, BK=min(BK, key_tile), BV=value_tile, SIDE=side,
-                                                  DEPENDENT=side == 1), keys_warps, keys_stages)
-          for side, keys_warps, keys_stages, value_tile in keys_launches],
-        *[(kernels._chunk_grad_values_kernel, dict(BC=64, BK=BK, BV=min(BV_full, 64),
-                                                    KEY_TILES=max(1, BK // key_tile),
-                                                    STATE_PART=residual and not delta, SIDE=side),
-           kernels.GRAD_VALUES_WARPS, 2) for side in kernels.grad_values_sides(delta, residual)],
-    ]
 
 
 def compile_variant(fn, constexprs, pointer_type, num_warps, num_stages, head_size, maxnreg=None):
@@ -252,34 +168,21 @@ def main():
     caps = {}
     for cap in args.cap:
         name, _, limit = cap.partition("=")
-        if not hasattr(kernels, name) or not limit.isdigit():
-            parser.error(f"--cap wants KERNEL=N with a kernel of kernels_reslin_triton, got {cap!r}")
-        caps[getattr(kernels, name)] = int(limit)
+        if name not in KERNELS or not limit.isdigit():
+            parser.error(f"--cap wants KERNEL=N with a chunked kernel ({', '.join(sorted(KERNELS))}), got {cap!r}")
+        caps[name] = int(limit)
     failures = 0
     for dtype in args.dtypes:
         DT, pointer_type = DTYPES[dtype]
         for head_size in [] if args.layers_only else args.head_sizes:
             for delta in (True, False):
                 for residual in (False, True):
-                    for fn, constexprs, warps, stages in launches(head_size, head_size, delta, residual,
-                                                                  dtype == "fp32"):
+                    for name, constexprs, warps, stages in tuning.launch_variants(head_size, head_size, delta,
+                                                                                  residual, dtype == "fp32"):
+                        fn = KERNELS[name]
                         params = inspect.signature(fn.kernel.fn).parameters
                         flags = dict(DT=DT, DELTA=delta, RESIDUAL=residual, VARLEN=False)
                         constexprs = {**constexprs, **{k: v for k, v in flags.items() if k in params}}
-                        if not delta and fn is kernels._chunk_wy_kernel or \
-                                delta and fn is kernels._chunk_decay_kernel or \
-                                not (delta or residual) and fn is kernels._chunk_gram_kernel or \
-                                delta and fn in (kernels._chunk_segment_starts_kernel, kernels._chunk_state_join_kernel,
-                                                 kernels._chunk_local_state_kernel,
-                                                 kernels._chunk_state_scan_kernel) or \
-                                not residual and fn in (kernels._chunk_residual_writes_kernel,
-                                                        kernels._chunk_residual_grad_kernel) or \
-                                constexprs.get("BOTH_STATES") and (delta or not residual) or \
-                                constexprs.get("ADDS_TO_STATE") and delta or \
-                                constexprs.get("BC") == kernels.LONG_CHUNK_SIZE != 64 and \
-                                (delta or residual and fn is kernels._chunk_state_kernel):
-                            continue  # sGLA needs neither; RLA needs P, not T^-1 and WY; the delta rule never joins
-                            # nor adds R's writes to R; only sGLA and RLA (by scan) run chunks of LONG_CHUNK_SIZE
                         label = (f"{fn.kernel.fn.__name__:30s} {dtype} D{head_size} {'delta' if delta else 'additive'}"
                                  f"{' residual' if residual else ''}{' store_z' if constexprs.get('STORE_Z') else ''}"
                                  f"{' both_states' if constexprs.get('BOTH_STATES') else ''}"
@@ -294,8 +197,8 @@ def main():
                                  f"{' chunks of ' + str(constexprs['BC']) if constexprs.get('BC', 64) != 64 else ''}")
                         start = time.time()
                         try:
-                            maxnreg = caps.get(fn, kernels.register_cap(fn, delta, residual, head_size,
-                                                                        dtype == "fp32"))
+                            maxnreg = caps.get(name, tuning.register_cap(name, delta, residual, head_size,
+                                                                         dtype == "fp32"))
                             compiled = compile_variant(fn, constexprs, pointer_type, warps, stages, head_size,
                                                        maxnreg)
                         except Exception as error:  # report every variant, then fail

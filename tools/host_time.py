@@ -1,8 +1,8 @@
 """The host's time of one reslin_attention call (Triton backend) without its kernels, on any machine:
-every Triton kernel of kernels_reslin_triton replaced by a launcher that does nothing, tiny tensors
-on the CPU. What remains is the Python, dispatch and autograd around the kernels, so changes to
-that code can be timed without a GPU. The launches' own host time (~35-50 us each on the GPU
-machine, session 12) and the GPU's work are not in it.
+every Triton kernel's launch (kernels_reslin_triton_launch._Launcher) replaced by one that does
+nothing, tiny tensors on the CPU. What remains is the Python, dispatch and autograd around the
+kernels, so changes to that code can be timed without a GPU. The launches' own host time (tens
+of microseconds each on a GPU machine) and the GPU's work are not in it.
 
     python tools/host_time.py [--rules sgla gdn rla rdn] [--calls 200]
 
@@ -22,43 +22,39 @@ sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
 
 import torch  # noqa: E402
 
-import kernels_reslin_triton  # noqa: E402
+import kernels_reslin_triton_launch  # noqa: E402
 from bench_forward import rule_calls  # noqa: E402
 from common import RULES, host_ms  # noqa: E402
 
 
-class _CountingLauncher:
-    """Stands in for a Triton kernel: `kernel[grid](...)` only counts the launch."""
+class _CountingLaunch:
+    """`counting_getitem` stands in for `_Launcher.__getitem__`: `kernel[grid](...)` only counts
+    the launch."""
 
     launches = 0
 
-    def __getitem__(self, grid):
+    @staticmethod
+    def counting_getitem(launcher, grid):
         def launch(*args, **kwargs):
-            _CountingLauncher.launches += 1
+            _CountingLaunch.launches += 1
         return launch
 
 
 @contextlib.contextmanager
 def kernels_stubbed_out():
-    kernels = {name: value for name, value in vars(kernels_reslin_triton).items()
-               if isinstance(value, kernels_reslin_triton._Launcher)}
-    for name in kernels:
-        setattr(kernels_reslin_triton, name, _CountingLauncher())
-    try:
-        with mock.patch.dict(os.environ, TRITON_INTERPRET="1"):  # backend="triton" takes CPU tensors then
-            yield
-    finally:
-        for name, kernel in kernels.items():
-            setattr(kernels_reslin_triton, name, kernel)
+    """Every kernel of every Triton module launches nothing while in the block."""
+    with mock.patch.object(kernels_reslin_triton_launch._Launcher, "__getitem__", _CountingLaunch.counting_getitem), \
+            mock.patch.dict(os.environ, TRITON_INTERPRET="1"):  # backend="triton" takes CPU tensors then
+        yield
 
 
 def host_us(call, calls):
     """(microseconds per call, kernels launched per call) after a few warm-up calls."""
     for _ in range(5):
         call()
-    _CountingLauncher.launches = 0
+    _CountingLaunch.launches = 0
     call()
-    launches = _CountingLauncher.launches
+    launches = _CountingLaunch.launches
     return 1e3 * host_ms(call, calls), launches
 
 

@@ -1,0 +1,122 @@
+"""Launching Triton kernels: the host-side helpers every Triton module of ResLin shares.
+
+`_Launcher` wraps each @triton.jit kernel so that repeated launches skip Triton's per-launch
+argument analysis; `_on_inputs_device` runs a launcher on its inputs' GPU; `_cdiv` and
+`_next_power_of_2` are the host's tile arithmetic. The other kernels_reslin_triton_* modules
+take `triton` and `tl` from here, so that the reason for the guarded import is written once.
+"""
+
+import functools
+
+# Inside a try block: the Hub's remote-code loader checks every import outside one and refuses to
+# load the model when the package is missing. Without Triton the ImportError reaches
+# kernels_reslin and modeling_reslin, which then run the PyTorch code.
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    raise
+
+import torch
+
+# Host-side sizes in plain Python: triton.cdiv and triton.next_power_of_2 are constexpr functions
+# in triton 3.6, whose calls cost microseconds each, on every launch.
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_power_of_2(n):
+    return 1 << (n - 1).bit_length()
+
+
+class _Launcher:
+    """A @triton.jit kernel launched as Triton launches it, `kernel[grid](*args, **kwargs)`, but on
+    CUDA a specialisation's later launches go straight to the C launcher of the binary its first
+    launch returned (`_binary_launch`).
+
+    Why: Triton derives every argument's specialisation again at each launch (type, pointers'
+    16-byte alignment, integers equal to 1 or multiples of 16), reads its settings and looks the
+    binary up, tens of microseconds a launch for a kernel of 35 arguments; a training call makes
+    7-20 launches, and calls bound by the host wait for them.
+
+    The key here is finer than Triton's: every integer, bool and constexpr by value, pointers by
+    dtype and alignment, floats by type (Triton never specialises on their value), the launch
+    options and the device. A key's first launch is Triton's own (compiling if needed). Triton's
+    CPU interpreter (the tests) is never bypassed, nor is Triton other than 3.6: how a binary
+    takes its arguments is Triton's internal (3.6 passes every parameter, constexprs included,
+    where earlier versions passed the others alone)."""
+
+    MAX_KEYS = 1024  # forgotten all at once past this (shapes are keys): no growth without bound
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.__name__ = kernel.__name__  # the tuning tables name kernels (`register_cap`)
+        compiled = isinstance(kernel, triton.runtime.JITFunction) and triton.__version__.startswith("3.6.")
+        self.params = kernel.arg_names if compiled else ()
+        self.by_value = tuple(param.is_constexpr for param in kernel.params) if compiled else ()
+        self.launches = {} if compiled else None
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid, *args, **kwargs):
+        if self.launches is None or not args[0].is_cuda:
+            return self.kernel[grid](*args, **kwargs)
+        device = torch.cuda.current_device()
+        key = (device, tuple(kwargs.items()),
+               *(arg if by_value else _specialisation(arg) for arg, by_value in zip(args, self.by_value)))
+        launch = self.launches.get(key)
+        if launch is None:
+            binary = self.kernel[grid](*args, **kwargs)
+            if isinstance(binary, triton.compiler.CompiledKernel):
+                if len(self.launches) >= self.MAX_KEYS:
+                    self.launches.clear()
+                self.launches[key] = _binary_launch(binary)
+            return
+        launch(tuple(grid) + (1,) * (3 - len(grid)), device,
+               (*args, *(kwargs[name] for name in self.params[len(args):])))
+
+
+def _binary_launch(binary):
+    """`launch(grid, device, every parameter's value)` of a compiled kernel: its C launcher called
+    as Triton 3.6's runner calls it (`CompiledKernel.__getitem__`, `CudaLauncher.__call__`), less
+    what costs host time there on every launch and serves nothing here: a closure, the launch
+    metadata built for the launch hooks (a `LazyDict` a launch, and the two empty hook chains
+    called from C), the scratch allocations of kernels that need none. A kernel that needs
+    scratch memory, and any launch while a profiler has hooked Triton's launches, take Triton's
+    runner."""
+    runner = binary.run  # loads the binary's module at its first use
+    if runner.global_scratch_size or runner.profile_scratch_size:
+        return lambda grid, device, args: binary[grid](*args)
+    c_launch, function, metadata = runner.launch, binary.function, binary.packed_metadata
+    cooperative, pdl = runner.launch_cooperative_grid, runner.launch_pdl
+    current_stream = triton.runtime.driver.active.get_current_stream
+    hooks = triton.knobs.runtime
+
+    def launch(grid, device, args):
+        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+            return binary[grid](*args)
+        c_launch(*grid, current_stream(device), function, cooperative, pdl, None, None, metadata, None, None, None,
+                 *args)
+    return launch
+
+
+def _specialisation(arg):
+    """What of a non-constexpr argument a compiled kernel depends on (see `_Launcher`)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    return float if isinstance(arg, float) else arg
+
+
+def _on_inputs_device(launcher):
+    """Run `launcher` with the CUDA device of its first argument current. Triton launches on the
+    current device, not on the tensors': the layers of a model split across GPUs (device_map)
+    would have their kernels refused, or run on the wrong GPU's stream. Triton's CPU interpreter
+    takes CPU tensors, which need no device."""
+    @functools.wraps(launcher)
+    def launch(q, *args, **kwargs):
+        if not q.is_cuda:
+            return launcher(q, *args, **kwargs)
+        with torch.cuda.device(q.device):
+            return launcher(q, *args, **kwargs)
+    return launch
