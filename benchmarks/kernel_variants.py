@@ -1,10 +1,11 @@
-"""GPU time per kernel of several versions of kernels_reslin_triton.py, side by side in one run.
+"""GPU time per kernel of several versions of the Triton kernels, side by side in one run.
 
 kernel_times.py says which kernel to work on; this says which version of it is faster, measured
 in the same run on the same GPU (an H200's times move between runs by more than many a change
-gains). Each --variant is NAME=FILE, FILE a copy of kernels_reslin_triton.py: the current one,
-another commit's (`git show REV:kernels_reslin_triton.py > scratch/old.py`: the GPU machine
-gets no .git), or one edited with sed (a tile, a warp count). For every rule and shape it calls
+gains). Each --variant is NAME=DIR, DIR a folder of kernels_reslin_triton*.py files: those it
+holds replace the tree's, the others are the tree's own. The tree itself is `--variant now=.`;
+tools/variant.sh makes folders from another commit's files (the GPU machine gets no .git) or
+from the tree's edited with sed (a tile, a warp count). For every rule and shape it calls
 each variant's chunk_forward and, with --backward, the two halves of a training call as
 autograd runs them: the training forward (chunk_forward with training=True, at the backward's
 chunk size) and chunk_backward from what it kept (T^-1, the kept segment starts; the recomputed
@@ -17,21 +18,26 @@ known to compute the same thing on that GPU before it is worth landing, and give
 error against the chunked PyTorch reference in fp32 (kernels_reslin_torch, its gradients by
 autograd): a variant that rounds differently (an intermediate in bf16, a sum in another order)
 shows whether it lost precision or only moved. The reference is not a Triton variant run in
-fp32: at D128 those kernels compile for minutes (session 38: more than 200 s a copy).
+fp32: at D128 those kernels compile for minutes a copy.
 
-    python benchmarks/kernel_variants.py --variant now=kernels_reslin_triton.py --variant old=scratch/old.py \\
+    python benchmarks/kernel_variants.py --variant now=. --variant old=scratch/variants/old \\
         [--rules gdn rdn] [--shapes 4x4096 8x2048] [--heads 8] [--dim 128] [--backward] [--top 5]
         [--check]
-    python benchmarks/kernel_variants.py --smoke   # the current file (or the --variant files) on tiny sizes
+    python benchmarks/kernel_variants.py --smoke   # the tree's kernels (or the --variant folders) on tiny sizes
 
-Every variant compiles its kernels anew (a file of its own to Triton): give a first run time.
+Every variant compiles its kernels anew (files of its own to Triton): give a first run time.
 A variant that fails (a launch past the shared memory, say) is reported and the others go on;
 after an illegal memory access the GPU's context is lost, and every later call fails with it.
 """
 
 import argparse
-import importlib.util
+import glob
+import importlib
 import os
+import re
+import shutil
+import sys
+import tempfile
 
 import torch
 
@@ -41,11 +47,25 @@ from kernel_times import kernel_times
 from kernels_reslin_torch import chunk_reslin
 
 
-def load_variant(name, path):
-    spec = importlib.util.spec_from_file_location(f"kernels_variant_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+VARIANT_FILES = ("kernels_reslin_torch.py", "kernels_reslin_triton*.py")
+
+
+def load_variant(name, folder):
+    """The variant's kernels_reslin_triton module (chunk_forward, chunk_backward, CHUNK_SIZE: the
+    same names before the kernels were split into modules): the tree's kernel files with the
+    folder's in their place, imported as a package of their own."""
+    package = "kernels_variant_" + re.sub(r"\W", "_", name)
+    root = tempfile.mkdtemp(prefix="kernel-variant-")
+    os.mkdir(os.path.join(root, package))
+    for source in (REPO, folder):
+        for pattern in VARIANT_FILES:
+            for path in glob.glob(os.path.join(source, pattern)):
+                shutil.copy(path, os.path.join(root, package))
+    sys.path.insert(0, root)
+    try:
+        return importlib.import_module(f"{package}.kernels_reslin_triton")
+    finally:
+        sys.path.remove(root)
 
 
 def chunk_arguments(rule, B, T, H, D):
@@ -110,8 +130,8 @@ def summary(times, top):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
-                        help="a version of kernels_reslin_triton.py (repeat the option)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
+                        help="a folder of kernels_reslin_triton*.py files in place of the tree's (repeat the option)")
     parser.add_argument("--rules", nargs="+", choices=list(RULES), default=["sgla", "gdn", "rla", "rdn"])
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[(4, 4096), (8, 2048)])
     parser.add_argument("--heads", type=int, default=8)
@@ -123,18 +143,18 @@ def main(argv=None):
                         help="also every variant's outputs (and gradients) against the first variant's, "
                              "and their error against the chunked PyTorch reference in fp32")
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes (the current file without --variant), to check the script")
+                        help="tiny sizes (the tree's kernels without --variant), to check the script")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.variant = args.variant or [f"now={os.path.join(REPO, 'kernels_reslin_triton.py')}"]
+        args.variant = args.variant or [f"now={REPO}"]
         args.shapes, args.heads, args.dim, args.repeats, args.rules = [(1, 70)], 2, 32, 1, ["gdn", "rdn"]
     if not args.variant:
         parser.error("name at least one --variant NAME=FILE")
     variants = []
     for text in args.variant:
         name, _, path = text.partition("=")
-        if not name or not os.path.isfile(path):
-            parser.error(f"--variant {text!r}: expected NAME=FILE with an existing file")
+        if not name or not os.path.isdir(path):
+            parser.error(f"--variant {text!r}: expected NAME=DIR with an existing folder")
         variants.append((name, load_variant(name, path)))
     print_header(f"GPU time per kernel of {len(variants)} variants, H={args.heads} Dk=Dv={args.dim}, "
                  f"mean of {args.repeats} calls{', forward and backward' if args.backward else ''}")

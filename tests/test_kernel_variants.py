@@ -1,7 +1,8 @@
 """benchmarks/kernel_variants.py --check on tiny sizes (Triton's interpreter on a CPU): a copy of
-the kernels file matches it exactly, and a copy with a wrong state step shows its difference, from
-the first variant and from the fp32 reference alike."""
+the kernel files matches the tree exactly, and a copy with a wrong state step shows its
+difference, from the first variant and from the fp32 reference alike."""
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,17 +18,20 @@ def test_check_tells_a_changed_kernel_from_a_copy(tmp_path, capsys):
     sys.path.insert(0, str(REPO / "benchmarks"))
     import kernel_variants
 
-    kernels = REPO / "kernels_reslin_triton.py"
-    source = kernels.read_text()
+    for name in ("same", "wrong"):
+        (tmp_path / name).mkdir()
+        for path in REPO.glob("kernels_reslin_triton*.py"):
+            shutil.copy(path, tmp_path / name)
+    state = tmp_path / "wrong" / "kernels_reslin_triton_state.py"
+    source = state.read_text()
     wrong = source.replace("return decay * S + _added(", "return 0.5 * decay * S + _added(")
     assert wrong != source
-    (tmp_path / "same.py").write_text(source)
-    (tmp_path / "wrong.py").write_text(wrong)
+    state.write_text(wrong)
     # --smoke's sizes but one head (the interpreter's time goes with the heads): 70 tokens still
     # make two chunks, so the changed step shows in the final state.
     kernel_variants.main(["--check", "--backward", "--rules", "gdn", "rdn", "--shapes", "1x70", "--heads", "1",
-                          "--dim", "32", "--repeats", "1", "--variant", f"now={kernels}",
-                          "--variant", f"same={tmp_path / 'same.py'}", "--variant", f"wrong={tmp_path / 'wrong.py'}"])
+                          "--dim", "32", "--repeats", "1", "--variant", f"now={REPO}",
+                          "--variant", f"same={tmp_path / 'same'}", "--variant", f"wrong={tmp_path / 'wrong'}"])
     out = capsys.readouterr().out.splitlines()
 
     def figures(phrase, names):

@@ -25,13 +25,13 @@
 #   backward-graphs  bench_forward.py --backward --graphs (570; compiles every rule first, then times:
 #                give it a call of its own)
 #   kernels      benchmarks/kernel_times.py, forward and backward (300)
-#   variants     benchmarks/kernel_variants.py --backward: this tree's kernels file beside every copy in
-#                scratch/variants/*.py (carry scratch), each compiled first in a process of its own; more
+#   variants     benchmarks/kernel_variants.py --backward: this tree's kernel files beside every folder
+#                scratch/variants/*/ (tools/variant.sh; carry scratch), each compiled first in a process of its own; more
 #                kernel_variants options in $VARIANTS_ARGS ("--rules rla rdn --heads 16", say) (540)
 #   variants-forward  the same without --backward: for copies whose backward does not compile (540)
-#   variants-graphs  bench_forward.py --graphs with this tree's kernels file, then each copy in
-#                scratch/variants/*.py in its place in turn, then this tree's again (what bench_forward
-#                replays is the kernels file it imports, so copies take turns in it; the file is put
+#   variants-graphs  bench_forward.py --graphs with this tree's kernel files, then each folder in
+#                scratch/variants/*/ in their place in turn, then this tree's again (what bench_forward
+#                replays is the kernel files it imports, so copies take turns in them; the files are put
 #                back at the end); every copy compiled first, all at once on tiny shapes; more
 #                bench_forward options in $GRAPHS_ARGS ("--rules sgla rla --shapes 8x2048", "--backward")
 #                (540). For changes that show only replayed (launch overlap, PDL): kernel_variants
@@ -73,7 +73,7 @@ for name in "$@"; do  # every name checked before any job runs
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
-# Each kernels-file copy compiles for ~30-60 s at its first call: all of them at once, on tiny shapes,
+# Each copy of the kernel files compiles for ~30-60 s at its first call: all of them at once, on tiny shapes,
 # before any timing. warm_copies "KERNEL_VARIANTS_OPTIONS" FILE...
 warm_copies() {
   local options=$1 file
@@ -104,22 +104,22 @@ for name in "$@"; do
       passes=--backward
       [ "$name" = variants-forward ] && passes=
       job "$name" 540 bash -c '
-      files=(scratch/variants/*.py)
-      [ -e "${files[0]}" ] || { echo "no scratch/variants/*.py"; exit 2; }
+      files=(scratch/variants/*/)
+      [ -e "${files[0]}" ] || { echo "no scratch/variants/*/"; exit 2; }
       warm_copies "'"$passes"' --shapes 1x256" "${files[@]}"
-      python3 benchmarks/kernel_variants.py '"$passes"' ${VARIANTS_ARGS:-} --variant main=kernels_reslin_triton.py \
-        $(for file in "${files[@]}"; do echo --variant "$(basename "$file" .py)=$file"; done)' ;;
+      python3 benchmarks/kernel_variants.py '"$passes"' ${VARIANTS_ARGS:-} --variant main=. \
+        $(for file in "${files[@]}"; do echo --variant "$(basename "$file")=$file"; done)' ;;
     variants-graphs) job variants-graphs 540 bash -c '
-      files=(scratch/variants/*.py)
-      [ -e "${files[0]}" ] || { echo "no scratch/variants/*.py"; exit 2; }
-      main=$(mktemp --suffix=.py)
-      cp kernels_reslin_triton.py "$main"
-      trap "cp \"$main\" kernels_reslin_triton.py" EXIT
+      files=(scratch/variants/*/)
+      [ -e "${files[0]}" ] || { echo "no scratch/variants/*/"; exit 2; }
+      main=$(mktemp -d)
+      cp kernels_reslin_triton*.py "$main"
+      trap "rm -f kernels_reslin_triton*.py; cp \"$main\"/*.py ." EXIT
       warm_copies "--shapes 8x256 2x256 --heads 16" "$main" "${files[@]}"
       for file in "$main" "${files[@]}" "$main"; do
-        name=$(basename "$file" .py)
+        name=$(basename "$file")
         [ "$file" = "$main" ] && name=main
-        cp "$file" kernels_reslin_triton.py
+        rm -f kernels_reslin_triton*.py; cp "$main"/*.py .; cp "$file"/kernels_reslin_triton*.py .
         echo "== $name"
         python3 benchmarks/bench_forward.py --graphs ${GRAPHS_ARGS:-}
       done' ;;

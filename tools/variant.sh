@@ -1,38 +1,37 @@
 #!/usr/bin/env bash
-# A copy of kernels_reslin_triton.py with sed expressions applied, for `gpu_run.sh variants`
-# (which times every scratch/variants/*.py beside this tree's file):
+# A folder of the Triton kernel files (kernels_reslin_triton*.py) for `gpu_run.sh variants`, which
+# times every scratch/variants/*/ beside this tree's kernels (benchmarks/kernel_variants.py):
 #
 #   bash tools/variant.sh values-w4 's/num_warps=GRAD_VALUES_WARPS/num_warps=8/'
-#   bash tools/variant.sh committed --rev HEAD     # another commit's file, unedited
-#   bash tools/variant.sh fused --patch scratch/fused.patch   # this file, patched (git diff output)
+#   bash tools/variant.sh committed --rev HEAD     # another commit's files, unedited
+#   bash tools/variant.sh fused --patch scratch/fused.patch   # these files, patched (git diff output)
 #                                       (several patches: applied in the order given)
 #
-# Each expression must change the file, so that a launch setting renamed since stops the run
-# here, not as a variant that times the same code twice.
+# The sed expressions apply to every kernel file; each must change one, so that a launch setting
+# renamed since stops the run here, not as a variant that times the same code twice.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 2 ] || { sed -n '2,11p' "$0"; exit 2; }
 name=$1; shift
-mkdir -p scratch/variants
-out=scratch/variants/$name.py
+out=scratch/variants/$name
+rm -rf "$out"
+mkdir -p "$out"
 if [ "$1" = "--rev" ]; then
-  git show "$2:kernels_reslin_triton.py" > "$out"
-  exit 0
-fi
-if [ "$1" = "--patch" ]; then  # the patches' hunks for kernels_reslin_triton.py; they may touch other files
-  shift
-  work=$(mktemp -d)
-  cp kernels_reslin_triton.py "$work/"
-  for patch in "$@"; do
-    (cd "$work" && git apply --include=kernels_reslin_triton.py) <"$patch"
+  for file in $(git ls-tree --name-only "$2" | grep '^kernels_reslin_triton.*\.py$'); do
+    git show "$2:$file" > "$out/$file"
   done
-  mv "$work/kernels_reslin_triton.py" "$out"
-  rm -r "$work"
   exit 0
 fi
-cp kernels_reslin_triton.py "$out"
+cp kernels_reslin_triton*.py "$out/"
+if [ "$1" = "--patch" ]; then  # the patches' hunks for the kernel files; they may touch other files
+  shift
+  for patch in "$@"; do
+    (cd "$out" && git apply --include='kernels_reslin_triton*.py') <"$patch"
+  done
+  exit 0
+fi
 for expr in "$@"; do
-  before=$(md5sum <"$out")
-  sed -i -e "$expr" "$out"
-  [ "$before" != "$(md5sum <"$out")" ] || { rm "$out"; echo "$name: '$expr' changed nothing" >&2; exit 1; }
+  before=$(cat "$out"/*.py | md5sum)
+  sed -i -e "$expr" "$out"/*.py
+  [ "$before" != "$(cat "$out"/*.py | md5sum)" ] || { rm -r "$out"; echo "$name: '$expr' changed nothing" >&2; exit 1; }
 done
