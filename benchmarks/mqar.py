@@ -1,67 +1,68 @@
 """MQAR (multi-query associative recall) with length extrapolation, the KLA paper's synthetic test,
 for ResLin's rules: train a 2-layer model at length 256, measure recall at 1x, 2x, 4x and 8x.
 
-The task (Zoology's MQAR, Arora et al. 2023, arXiv 2312.04927, whose protocol the KLA code follows):
-a sequence starts with P key-value pairs k1 v1 k2 v2 ..., keys drawn without repetition from the
-lower half of the vocabulary [1, V/2), values from the upper half [V/2, V). Each key is asked
-once afterwards: at an even offset 2 * gap past the pairs, with gaps drawn without repetition
-with probability proportional to gap ** (a - 1), a = 0.01 (a power law: most queries come soon
-after the pairs, some far away); key j goes to the j-th gap drawn, as in Zoology. Every other
-position holds a uniformly random token of the whole vocabulary. The model must predict, at each
-query's key, the value that key was paired with. Loss and accuracy cover only those P answer
-positions; accuracy = correct answers / all answers (chance: 2 / V).
+Two protocols, chosen by --protocol; both score, for each query, the model's logits at the
+query's key token: the answer is that key's value, i.e. the token the model should say next
+(input position p holds the key, the label at p is the value; the input at p + 1 is filler, not
+the value). Loss and accuracy cover only those answer positions; accuracy = correct answers / all
+answers scored (argmax over the whole vocabulary; chance: 2 / V).
 
-What the KLA paper (arXiv 2605.08587, Sec. 5.3, Table 4, Appendix C-D) and its code
-(anonymous-kla-review/kla-anonymous: train_mqar.py, lit_gpt/config.py "*_MQAR",
-run_ablation_47.sh) specify -> what this script does:
+kla-authors (the default): the KLA authors' protocol (arXiv 2605.08587, Sec. 5.3, Table 4; their
+mqar_data.py, train_mqar.py and run_mqar_experiment.sh, followed from a description in words):
+- data: vocabulary 8192; a sequence starts with 32 pairs k1 v1 k2 v2 ..., keys drawn with
+  replacement from [0, V/2), values with replacement from [V/2, V) (so about 11% of sequences
+  repeat a key, whose queries then have two possible answers); every later position holds a
+  uniformly random token of the whole vocabulary. Then, for each pair in a random order, its key
+  alone is written at an absolute position p drawn from the power law of density ~ p^-0.1 on
+  [2 x 32, length - 2) (inverse-CDF sampling of the continuous law, then the integer below),
+  overwriting the filler. Positions may collide: a later query overwrites an earlier one, whose
+  answer is then not scored (its answer is IGNORE_INDEX in the data).
+- sets: 20,000 training, 2,000 validation and 2,000 test sequences of length 256 from seeds 42,
+  43 and 44; test sets at 2x, 4x and 8x (512, 1024, 2048; still 32 pairs, the law over the longer
+  range) from seeds 45, 46 and 47. Generated on the CPU, so the data are the same on every
+  machine; --seed sets only the initial weights and the batch order.
+- training: batch 32, AdamW (betas 0.9 / 0.95, weight decay 0.1, none on A_log and dt_bias), lr
+  1e-3 constant (no warm-up, no decay), gradient clipping 1.0, bf16 autocast on CUDA; at most
+  10,000 steps; the validation accuracy (the metric above, on the validation set) every 200 steps
+  and at the last step; training stops after 10 validations in a row without a strict gain, and
+  the best checkpoint (the earliest with the highest validation accuracy) is the one tested.
+- model: 2 layers, width 256, 4 heads, head sizes 48 / 96 (the KLA code's expand_k 0.75 and
+  expand_v 1.5), SwiGLU 1024, RMSNorm eps 1e-5, input and output embeddings tied.
 
-- model: 2 layers, width 256, 4 heads, expand_k 0.75 and expand_v 1.5 (head sizes 48 / 96),
-  SwiGLU 1024, RMSNorm eps 1e-5, vocabulary 8192 -> the same, through ResLinConfig.
-- data: 32 pairs, keys of one token, 20K training and 2K validation examples, seed 42 -> the
-  same, generated on the device from --seed (default 42).
-- lengths: train at 256, evaluate at 256 x {1, 2, 4, 8}, 2K examples each, still 32 pairs -> the
-  same (the pairs are kept at 32, not scaled with the length).
-- optimiser: AdamW, lr 1e-3, betas 0.9 / 0.95, weight decay 0.1, clipping 1.0, batch 32, bf16
-  mixed precision -> the same; A_log and dt_bias are not decayed (their _no_weight_decay flag).
-- schedule: constant lr, up to 10K steps, validation every 200, early stop after 10 without a
-  gain, the best checkpoint evaluated -> warmup (2% of the steps) and cosine decay to 0 over a
-  fixed --steps (default 10K): a fixed GPU cost, and the last model is the one evaluated.
-- lr sweep: none (1e-3 for every model) -> --lr takes several values; each attn type reports the
-  one with the best 1x accuracy (the 1x set is also reported, as the paper's validation set is).
-- metric: accuracy on the answer tokens ("validation accuracy") -> the same.
+reslin-gap: the variant this script ran before the authors' protocol was known (Zoology's MQAR,
+Arora et al. 2023, arXiv 2312.04927): keys drawn without repetition from [1, V/2) and values
+without repetition from [V/2, V); each key asked once, at an even offset 2 x gap past the pairs,
+gaps drawn without repetition with probability ~ gap^(0.01 - 1) (most queries soon after the pairs,
+so a much easier extrapolation: at 8x the median query sits ~124 tokens after its pair, against
+~927 under kla-authors); training set and one evaluation set per length (2,000 sequences each)
+all generated on the device from --seed; warm-up over 2% of the steps and cosine decay to 0 over a
+fixed --steps (default 10K), the last model evaluated; untied embeddings. The same model otherwise.
 
-Where the paper's files are silent (its mqar_data.py is not public), Zoology's generator is
-followed: the power-law query gaps and the random filler tokens above. KLA, GDN and Mamba2 are the
-paper's models; RDN and RKLA (ResLin's residual rules) use the same shape.
+Both protocols: --lr takes several values (a sweep); each attn type reports the lr whose run has
+the best validation accuracy (kla-authors) or the best 1x accuracy (reslin-gap, which has no
+validation set). KLA, GDN and Mamba2 are the paper's models; RDN, RKLA, RLA and sGLA (ResLin's
+other rules) use the same shape.
 
-Outputs: one line per run (accuracy at each length, wall time of training and evaluation), a table
-of the best lr per attn type, and JSON (--out) with every run. Data and initial weights come from
---seed alone, so every attn type sees the same examples; the data differ between CPU and CUDA (their
-generators differ). Rerun with other seeds to see the noise.
+Outputs: one line per run (accuracy at each length, steps run and the best step, wall time of
+training and testing), a table of the best lr per attn type, and JSON (--out) with the protocol,
+the task and every run (its validation history, steps run, best step and why it stopped). Rerun
+with other seeds to see the noise.
 
-GPU cost, estimated for one H200 (not yet measured: each run prints its ms/step and seconds). A
-step is 32 x 256 = 8192 tokens. FLOPs: 6 x 2.36M non-embedding parameters x 8192 tokens = 116 G,
-the output layer at the 1024 answer positions 13 G, the chunked attention ~8 G (~15 G with the
-residual state): ~0.14 TFLOP a step, 1.4 PFLOP for 10K steps, 2 s at the H200's ~750 TFLOP/s
-(bf16, measured) or ~10 s at a fifth of it for these narrow matrices. So the host bounds a step,
-not the GPU: counted on the CPU (TorchDispatchMode, Triton in its interpreter), a step launches
-~190 ATen kernels in the forward, ~440 in the backward, 18 Triton kernels (and ~15 ATen ops around
-them), and ~60 for autocast's casts, clipping and the fused AdamW; at ~5-10 us a launch in eager
-PyTorch and ~25 us a Triton launch from Python, that is ~5-7 ms a step (the model also reads
-input_ids on the host at each forward, a device sync). A run of 10K steps: ~60 s, plus ~1 s of
-evaluation (7.7M tokens, forward only) and, once per process, ~1 min of start-up (CUDA,
-compiling ~20 Triton kernel variants). The table (gdn, kla, rdn, rkla at one lr, one seed):
-~5-6 min; a 3-value lr sweep: ~14 min; each further seed: ~5 min. On a shared CPU set
-OMP_NUM_THREADS=1 (oversubscribed threads made steps ~20x slower here).
+GPU cost on one H200, measured under reslin-gap (the step is the same under kla-authors): 9.2 ms
+a training step with --compile, 19.6 ms eager, run alone; the host bounds a step of this small
+model (~700 kernel launches), not the GPU (~0.14 TFLOP a step). A kla-authors run: at most 10K
+steps (~1.5 min compiled), fewer when it stops early, plus 50 validations of 0.5M tokens and the
+tests (7.7M tokens, forward only: ~1 s), and, once per process, ~1 min of start-up (CUDA,
+compiling the Triton kernels). On a shared CPU set OMP_NUM_THREADS=1 (oversubscribed threads made
+steps ~20x slower).
 
     python benchmarks/mqar.py --device cuda --attn-types gdn kla rdn rkla --out out/mqar_seed42.json
     python benchmarks/mqar.py --device cuda --attn-types kla --lr 3e-4 1e-3 3e-3 --seed 1 --out out/mqar_kla_seed1.json
-    python benchmarks/mqar.py --device cuda --attn-types rdn --steps 1000 --compile   # the step through inductor
+    python benchmarks/mqar.py --device cuda --attn-types rdn --protocol reslin-gap --compile
     python benchmarks/mqar.py --smoke    # tiny sizes on the CPU, seconds
 
---compile (not yet timed on a GPU) fuses the step's small kernels, of which the host launches
-~700: it should shorten a host-bound step, at the cost of a compilation per process (inductor's
-cache on disk serves later processes with the same graph).
+--compile fuses the training step's small kernels (inductor; one graph, as the training inputs'
+shape never changes), at the cost of a compilation per process; validation and tests run eagerly.
 """
 
 import argparse
@@ -80,9 +81,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from train import learning_rate  # noqa: E402  (train.py's schedule: one for both training scripts)
 
+PROTOCOLS = ("kla-authors", "reslin-gap")
 LENGTH_FACTORS = (1, 2, 4, 8)
-POWER_A = 0.01  # Zoology's query-gap power law
-WARMUP_FRACTION = 0.02
+IGNORE_INDEX = -100  # an answer not scored (cross_entropy's default ignore_index)
+QUERY_POSITION_POWER = 0.1  # kla-authors: query positions of density ~ p ** -QUERY_POSITION_POWER
+TRAIN_SEED, VALIDATION_SEED = 42, 43  # kla-authors' data seeds
+TEST_SEEDS = {1: 44, 2: 45, 4: 46, 8: 47}  # kla-authors' test sets, by length factor
+POWER_A = 0.01  # reslin-gap: Zoology's query-gap power law
+WARMUP_FRACTION = 0.02  # reslin-gap
 WEIGHT_DECAY = 0.1
 BETAS = (0.9, 0.95)
 GRAD_CLIP = 1.0
@@ -92,13 +98,15 @@ EVAL_TOKENS_PER_BATCH = 65536  # evaluation batches hold about this many tokens 
 PAPER_MODEL = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=2, num_heads=4, head_dim=48, expand_v=2.0,
                    intermediate_size=1024, norm_eps=1e-5)
 PAPER_TASK = dict(train_length=256, kv_pairs=32, train_examples=20000, eval_examples=2000, batch_size=32, steps=10000)
+PAPER_EARLY_STOPPING = dict(eval_interval=200, patience=10)  # kla-authors only
 SMOKE_MODEL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16, expand_v=1.0,
                    intermediate_size=64, norm_eps=1e-5)
 SMOKE_TASK = dict(train_length=32, kv_pairs=4, train_examples=20000, eval_examples=32, batch_size=16, steps=20)
+SMOKE_EARLY_STOPPING = dict(eval_interval=4, patience=3)
 
 
 def make_mqar(num_examples, seq_len, kv_pairs, vocab_size, generator):
-    """MQAR examples on the generator's device (the layout is in the module docstring):
+    """reslin-gap's MQAR examples on the generator's device (the layout is in the module docstring):
     inputs [N, seq_len], query_positions [N, P] (where key j is asked) and answers [N, P] (its value)."""
     device = generator.device
     query_slots = (seq_len - 2 * kv_pairs) // 2
@@ -123,11 +131,59 @@ def make_mqar(num_examples, seq_len, kv_pairs, vocab_size, generator):
 
 
 def make_eval_sets(task, vocab_size, generator):
-    """{factor: MQAR examples of length factor x the train length}, with the train task's number
-    of pairs at every length, as the KLA code evaluates."""
+    """reslin-gap's {factor: MQAR examples of length factor x the train length}, with the train
+    task's number of pairs at every length."""
     return {factor: make_mqar(task["eval_examples"], factor * task["train_length"], task["kv_pairs"], vocab_size,
                               generator)
             for factor in LENGTH_FACTORS}
+
+
+def power_law_positions(shape, low, high, generator):
+    """Integer positions in [low, high): the integer part of a draw from the density
+    ~ x ** -QUERY_POSITION_POWER on [low, high), by inverting its CDF
+    F(x) = (x^e - low^e) / (high^e - low^e), e = 1 - QUERY_POSITION_POWER."""
+    exponent = 1 - QUERY_POSITION_POWER
+    uniform = torch.rand(shape, generator=generator, dtype=torch.float64)
+    draws = (low ** exponent + uniform * (high ** exponent - low ** exponent)) ** (1 / exponent)
+    return draws.floor().long().clamp_(low, high - 1)  # the clamp only guards rounding at the ends
+
+
+def make_kla_authors_mqar(num_examples, seq_len, kv_pairs, vocab_size, generator):
+    """kla-authors' MQAR examples (the layout is in the module docstring), on the generator's
+    device: inputs [N, seq_len], query_positions [N, P] (where the j-th placed query went) and
+    answers [N, P] (its key's value; IGNORE_INDEX where a later query took its position)."""
+    prefix_len = 2 * kv_pairs
+    if seq_len - 2 <= prefix_len or vocab_size < 2:
+        raise ValueError(f"{kv_pairs} pairs need length >= {prefix_len + 3} and a vocabulary of 2 tokens or more, got "
+                         f"length {seq_len}, vocabulary {vocab_size}")
+    device, half = generator.device, vocab_size // 2
+    keys = torch.randint(0, half, (num_examples, kv_pairs), device=device, generator=generator)
+    values = torch.randint(half, vocab_size, (num_examples, kv_pairs), device=device, generator=generator)
+    inputs = torch.randint(vocab_size, (num_examples, seq_len), device=device, generator=generator)
+    inputs[:, 0:prefix_len:2] = keys
+    inputs[:, 1:prefix_len:2] = values
+
+    order = torch.rand(num_examples, kv_pairs, device=device, generator=generator).argsort(-1)  # placing order
+    asked, answers = keys.gather(1, order), values.gather(1, order)
+    query_positions = power_law_positions((num_examples, kv_pairs), prefix_len, seq_len - 2, generator).to(device)
+    later = torch.ones(kv_pairs, kv_pairs, dtype=torch.bool, device=device).triu(1)  # [j, i]: query i placed after j
+    overwritten = ((query_positions[:, :, None] == query_positions[:, None, :]) & later).any(-1)
+    kept = ~overwritten  # the kept positions of a row are distinct: writing them is order-free
+    rows = torch.arange(num_examples, device=device)[:, None].expand(-1, kv_pairs)
+    inputs[rows[kept], query_positions[kept]] = asked[kept]
+    return inputs, query_positions, answers.masked_fill(overwritten, IGNORE_INDEX)
+
+
+def make_kla_authors_sets(task, vocab_size, device):
+    """kla-authors' (training set, validation set, {factor: test set}), each from its own seed on
+    the CPU (the same data on every machine), moved to `device`."""
+    def make(num_examples, factor, seed):
+        examples = make_kla_authors_mqar(num_examples, factor * task["train_length"], task["kv_pairs"], vocab_size,
+                                         torch.Generator().manual_seed(seed))
+        return tuple(tensor.to(device) for tensor in examples)
+
+    return (make(task["train_examples"], 1, TRAIN_SEED), make(task["eval_examples"], 1, VALIDATION_SEED),
+            {factor: make(task["eval_examples"], factor, TEST_SEEDS[factor]) for factor in LENGTH_FACTORS})
 
 
 def build_model(attn_type, model_shape, kernel_backend, seed, device):
@@ -151,7 +207,8 @@ def answer_logits(model, inputs, query_positions):
 
 @torch.no_grad()
 def accuracy(model, inputs, query_positions, answers):
-    """Share of answers predicted right (argmax over the whole vocabulary)."""
+    """Share of the scored answers (those not IGNORE_INDEX) predicted right (argmax over the whole
+    vocabulary)."""
     model.eval()
     batch_size = max(1, EVAL_TOKENS_PER_BATCH // inputs.shape[1])
     correct = torch.zeros((), device=inputs.device, dtype=torch.long)
@@ -159,8 +216,8 @@ def accuracy(model, inputs, query_positions, answers):
         batch = slice(start, start + batch_size)
         with autocast(inputs.device):
             logits = answer_logits(model, inputs[batch], query_positions[batch])
-        correct += (logits.argmax(-1) == answers[batch]).sum()
-    return correct.item() / answers.numel()
+        correct += (logits.argmax(-1) == answers[batch]).sum()  # never equal to IGNORE_INDEX
+    return correct.item() / (answers != IGNORE_INDEX).sum().item()
 
 
 def autocast(device):
@@ -177,12 +234,29 @@ def shuffled_batches(num_examples, steps, batch_size, generator):
     return order[:steps * batch_size].view(steps, batch_size)
 
 
-def train(model, train_set, batches, peak_lr, log_every, compile_backend=None):
-    """AdamW with warmup and cosine decay over `batches`. Returns (the mean loss of the last
-    `log_every` steps, ms per step after the first log: without the first steps' compilation).
+def lr_schedule(protocol, peak_lr, steps):
+    """The lr at each step: constant under kla-authors; under reslin-gap, linear warm-up over
+    WARMUP_FRACTION of the steps, then cosine decay to 0 at the last step."""
+    if protocol == "kla-authors":
+        return lambda step: peak_lr
+    warmup_steps = round(WARMUP_FRACTION * steps)
+    return lambda step: learning_rate(peak_lr, step, step / steps, warmup_steps, 0.0)
+
+
+def train(model, train_set, batches, lr_at_step, log_every, compile_backend=None, early_stopping=None):
+    """AdamW over `batches` at lr_at_step(step). Without `early_stopping`, every batch is trained
+    and the last model is the result. With early_stopping = (validation_set, eval_interval,
+    patience), the validation accuracy is measured every eval_interval steps and at the last
+    step; training stops after `patience` validations in a row without a strict gain, and the
+    model is left at its best checkpoint (the earliest of the highest validation accuracy).
+
+    Returns a dict: final_loss (the mean loss of the last `log_every` steps or fewer), ms_per_step
+    (after the first log, so without the first steps' compilation, and without validations),
+    steps_run, best_step and stop_reason; with early stopping also validation_accuracy (the best)
+    and validations ([step, accuracy] each).
     With `compile_backend` the training forward runs through torch.compile (one graph: the
     inputs' shape never changes), which fuses the small elementwise kernels that bound a step of
-    this small model by the host; the evaluation's longer inputs run eagerly."""
+    this small model by the host; validation runs eagerly."""
     forward = functools.partial(answer_logits, model)
     if compile_backend is not None:
         forward = torch.compile(forward, fullgraph=True, backend=compile_backend)
@@ -193,13 +267,16 @@ def train(model, train_set, batches, peak_lr, log_every, compile_backend=None):
     not_decayed = [p for p in params if getattr(p, "_no_weight_decay", False)]
     optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": WEIGHT_DECAY},
                                    {"params": not_decayed, "weight_decay": 0.0}],
-                                  lr=peak_lr, betas=BETAS, fused=device.type == "cuda")
+                                  lr=lr_at_step(0), betas=BETAS, fused=device.type == "cuda")
     model.train()
     recent_loss = torch.zeros((), device=device)
     first_log = None
+    validations, validation_seconds = [], 0.0
+    best = None  # (its index in validations, the model's state then)
+    stop_reason = f"trained the {steps} steps; the last model is the result"
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(peak_lr, step, step / steps, round(WARMUP_FRACTION * steps), 0.0)
+            group["lr"] = lr_at_step(step)
         batch = batches[step]
         with autocast(device):
             logits = forward(inputs[batch], query_positions[batch])
@@ -209,14 +286,41 @@ def train(model, train_set, batches, peak_lr, log_every, compile_backend=None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         recent_loss += loss.detach()  # read on the host only at a log step: no sync per step
-        if (step + 1) % log_every == 0 or step + 1 == steps:
+        done = step + 1 == steps
+        if early_stopping is not None and ((step + 1) % early_stopping[1] == 0 or done):
+            validation_set, _, patience = early_stopping
+            synchronize(device)
+            start = time.perf_counter()
+            validations.append([step + 1, accuracy(model, *validation_set)])
+            model.train()
+            validation_seconds += time.perf_counter() - start
+            if best is None or validations[-1][1] > validations[best[0]][1]:
+                best = (len(validations) - 1, {k: v.detach().clone() for k, v in model.state_dict().items()})
+            best_step, best_accuracy = validations[best[0]]
+            print(f"  step {step + 1}/{steps}  validation accuracy {100 * validations[-1][1]:.2f}%  "
+                  f"(best {100 * best_accuracy:.2f}% at step {best_step})", flush=True)
+            if len(validations) - 1 - best[0] >= patience:
+                stop_reason = f"no validation gain in {patience} validations after step {best_step}"
+                done = True
+            elif done:
+                stop_reason = f"reached the {steps} steps"
+        if (step + 1) % log_every == 0 or done:
             mean_loss = recent_loss.item() / (step % log_every + 1)  # .item() waits for the device
             now = time.perf_counter()
-            first_log = first_log or (step, now)
+            if first_log is None:
+                first_log = (step, now, validation_seconds)
             print(f"  step {step + 1}/{steps}  loss {mean_loss:.4f}", flush=True)
             recent_loss.zero_()
-    ms_per_step = 1e3 * (now - first_log[1]) / (step - first_log[0]) if step > first_log[0] else float("nan")
-    return mean_loss, ms_per_step
+        if done:
+            break
+    timed_seconds = now - first_log[1] - (validation_seconds - first_log[2])
+    ms_per_step = 1e3 * timed_seconds / (step - first_log[0]) if step > first_log[0] else float("nan")
+    result = dict(final_loss=mean_loss, ms_per_step=ms_per_step, steps_run=step + 1, best_step=step + 1,
+                  stop_reason=stop_reason)
+    if early_stopping is not None:
+        model.load_state_dict(best[1])
+        result.update(best_step=best_step, validation_accuracy=best_accuracy, validations=validations)
+    return result
 
 
 def synchronize(device):
@@ -224,81 +328,123 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def run(attn_type, peak_lr, args, model_shape, train_set, batches, eval_sets, device):
+def run(attn_type, peak_lr, args, model_shape, task, data, device):
     """Train one model and measure it at every length: the run's record for the JSON."""
+    train_set, batches, test_sets, validation_set = data
     run_start = time.perf_counter()
     model = build_model(attn_type, model_shape, args.kernel_backend, args.seed, device)
     synchronize(device)
     start = time.perf_counter()
-    final_loss, ms_per_step = train(model, train_set, batches, peak_lr, log_every=max(1, len(batches) // 10),
-                                    compile_backend=args.compile)
+    early_stopping = (validation_set, task["eval_interval"], task["patience"]) if validation_set is not None else None
+    trained = train(model, train_set, batches, lr_schedule(args.protocol, peak_lr, len(batches)),
+                    log_every=max(1, len(batches) // 10),
+                    compile_backend=args.compile, early_stopping=early_stopping)
     synchronize(device)
     train_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    acc = {f"{factor}x": accuracy(model, *eval_sets[factor]) for factor in LENGTH_FACTORS}
+    acc = {f"{factor}x": accuracy(model, *test_sets[factor]) for factor in LENGTH_FACTORS}
     eval_seconds = time.perf_counter() - start
     run_seconds = time.perf_counter() - run_start
-    record = dict(attn_type=attn_type, lr=peak_lr, seed=args.seed, compile=args.compile, accuracy=acc,
-                  final_loss=final_loss,
+    ms_per_step = trained.pop("ms_per_step")
+    record = dict(attn_type=attn_type, lr=peak_lr, seed=args.seed, compile=args.compile, accuracy=acc, **trained,
                   train_seconds=round(train_seconds, 2), ms_per_step=round(ms_per_step, 2),
                   eval_seconds=round(eval_seconds, 2), run_seconds=round(run_seconds, 2))
     print(f"{attn_type:5s} lr {peak_lr:.0e}  " + "  ".join(f"{k} {100 * v:6.2f}%" for k, v in acc.items())
-          + f"  | train {train_seconds:.1f} s ({ms_per_step:.1f} ms/step after the first log), "
-          f"eval {eval_seconds:.1f} s, run {run_seconds:.1f} s", flush=True)
+          + f"  | {trained['steps_run']} steps, best {trained['best_step']} ({trained['stop_reason']})"
+          f"  | train {train_seconds:.1f} s ({ms_per_step:.1f} ms/step after the first log), "
+          f"test {eval_seconds:.1f} s, run {run_seconds:.1f} s", flush=True)
     return record
 
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--protocol", choices=PROTOCOLS, default=PROTOCOLS[0],
+                        help="kla-authors (default): the KLA authors' data, training and checkpoint; reslin-gap: "
+                             "the earlier variant (see the module docstring)")
     parser.add_argument("--attn-types", nargs="+", default=["gdn", "kla", "rdn", "rkla"])
-    parser.add_argument("--seed", type=int, default=42, help="data, initial weights and batch order")
-    parser.add_argument("--steps", type=int, help=f"training steps (default {PAPER_TASK['steps']})")
-    parser.add_argument("--lr", type=float, nargs="+", default=[1e-3], help="peak lr; several = a sweep")
+    parser.add_argument("--seed", type=int, default=42,
+                        help="initial weights and batch order (kla-authors: the data come from the protocol's own "
+                             "seeds); reslin-gap: the data too")
+    parser.add_argument("--steps", type=int,
+                        help=f"training steps, at most under kla-authors (default {PAPER_TASK['steps']})")
+    parser.add_argument("--lr", type=float, nargs="+", default=[1e-3], help="(peak) lr; several = a sweep")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--kernel-backend", default="auto", help="the config's kernel_backend")
     parser.add_argument("--train-length", type=int, help=f"default {PAPER_TASK['train_length']}")
     parser.add_argument("--kv-pairs", type=int, help=f"default {PAPER_TASK['kv_pairs']}")
-    parser.add_argument("--eval-examples", type=int, help=f"per length (default {PAPER_TASK['eval_examples']})")
+    parser.add_argument("--eval-examples", type=int,
+                        help=f"validation, and test per length (default {PAPER_TASK['eval_examples']})")
+    parser.add_argument("--eval-interval", type=int,
+                        help=f"kla-authors: steps between validations (default {PAPER_EARLY_STOPPING['eval_interval']})")
+    parser.add_argument("--patience", type=int,
+                        help=f"kla-authors: validations without a gain before stopping (default "
+                             f"{PAPER_EARLY_STOPPING['patience']})")
     parser.add_argument("--out", default=os.path.join(REPO, "out", "mqar.json"), help="JSON results")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="train through torch.compile (backend: inductor when given alone)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and task: seconds on a CPU")
     args = parser.parse_args(argv)
+    for name in ("steps", "train_length", "kv_pairs", "eval_examples", "eval_interval", "patience"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.protocol != "kla-authors":
+        given = [f"--{name.replace('_', '-')}" for name in ("eval_interval", "patience") if getattr(args, name)]
+        if given:
+            parser.error(f"{' and '.join(given)}: for --protocol kla-authors only (reslin-gap has no validation set)")
+    return args
 
+
+def main(argv=None):
+    args = parse_args(argv)
     model_shape = SMOKE_MODEL if args.smoke else PAPER_MODEL
     task = dict(SMOKE_TASK if args.smoke else PAPER_TASK)
-    for name in ("steps", "train_length", "kv_pairs", "eval_examples"):
+    if args.protocol == "kla-authors":
+        model_shape = dict(model_shape, tie_word_embeddings=True)
+        task.update(SMOKE_EARLY_STOPPING if args.smoke else PAPER_EARLY_STOPPING)
+    for name in ("steps", "train_length", "kv_pairs", "eval_examples", "eval_interval", "patience"):
         if getattr(args, name) is not None:
             task[name] = getattr(args, name)
     device = torch.device(args.device)
     print(f"MQAR on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}"
-          f"\ntask {task}\nmodel {model_shape}, kernel_backend {args.kernel_backend}", flush=True)
+          f"\nprotocol {args.protocol}\ntask {task}\nmodel {model_shape}, kernel_backend {args.kernel_backend}",
+          flush=True)
 
-    generator = torch.Generator(device).manual_seed(args.seed)
-    train_set = make_mqar(task["train_examples"], task["train_length"], task["kv_pairs"], model_shape["vocab_size"],
-                          generator)
-    eval_sets = make_eval_sets(task, model_shape["vocab_size"], generator)
-    # One batch order for every run, so that the attn types and lrs see the same batches.
-    batches = shuffled_batches(task["train_examples"], task["steps"], task["batch_size"], generator)
+    if args.protocol == "kla-authors":
+        train_set, validation_set, test_sets = make_kla_authors_sets(task, model_shape["vocab_size"], device)
+        batches = shuffled_batches(task["train_examples"], task["steps"], task["batch_size"],
+                                   torch.Generator().manual_seed(args.seed)).to(device)
+        data_seeds = dict(train=TRAIN_SEED, validation=VALIDATION_SEED,
+                          **{f"test {factor}x": seed for factor, seed in TEST_SEEDS.items()})
+    else:
+        generator = torch.Generator(device).manual_seed(args.seed)
+        train_set = make_mqar(task["train_examples"], task["train_length"], task["kv_pairs"],
+                              model_shape["vocab_size"], generator)
+        test_sets = make_eval_sets(task, model_shape["vocab_size"], generator)
+        # One batch order for every run, so that the attn types and lrs see the same batches.
+        batches = shuffled_batches(task["train_examples"], task["steps"], task["batch_size"], generator)
+        validation_set, data_seeds = None, dict(all=args.seed)
 
-    runs = [run(attn_type, lr, args, model_shape, train_set, batches, eval_sets, device)
-            for attn_type in args.attn_types for lr in args.lr]
-    best = {attn_type: max((r for r in runs if r["attn_type"] == attn_type), key=lambda r: r["accuracy"]["1x"])
+    data = (train_set, batches, test_sets, validation_set)
+    runs = [run(attn_type, lr, args, model_shape, task, data, device) for attn_type in args.attn_types for lr in args.lr]
+    selection = "validation_accuracy" if args.protocol == "kla-authors" else "1x test accuracy"
+    best = {attn_type: max((r for r in runs if r["attn_type"] == attn_type),
+                           key=lambda r: r.get("validation_accuracy", r["accuracy"]["1x"]))
             for attn_type in args.attn_types}
 
-    print("\n| attn_type | lr | " + " | ".join(f"{f}x ({f * task['train_length']})" for f in LENGTH_FACTORS)
-          + " | train s |")
-    print("|---|---|" + "---|" * len(LENGTH_FACTORS) + "---|")
+    print(f"\nprotocol {args.protocol}, the lr of the best {selection} per attn type:")
+    print("| attn_type | lr | " + " | ".join(f"{f}x ({f * task['train_length']})" for f in LENGTH_FACTORS)
+          + " | steps (best) | train s |")
+    print("|---|---|" + "---|" * len(LENGTH_FACTORS) + "---|---|")
     for r in best.values():
         print(f"| {r['attn_type']} | {r['lr']:.0e} | "
               + " | ".join(f"{100 * r['accuracy'][f'{f}x']:.2f}%" for f in LENGTH_FACTORS)
-              + f" | {r['train_seconds']:.0f} |")
+              + f" | {r['steps_run']} ({r['best_step']}) | {r['train_seconds']:.0f} |")
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(task=task, model=model_shape,
+        json.dump(dict(protocol=args.protocol, task=task, model=model_shape, data_seeds=data_seeds,
                        eval_lengths={f"{f}x": f * task["train_length"] for f in LENGTH_FACTORS},
-                       device=str(device), kernel_backend=args.kernel_backend,
+                       best_selected_by=selection, device=str(device), kernel_backend=args.kernel_backend,
                        argv=sys.argv[1:] if argv is None else argv,
                        runs=runs, best={k: runs.index(v) for k, v in best.items()}), f, indent=1)
     print(f"\nwrote {args.out}")
