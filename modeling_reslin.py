@@ -16,6 +16,7 @@ from a CUDA graph (ResLinDecodeGraph), since launching its dozens of small kerne
 Python costs far more than running them.
 """
 
+import copy
 import math
 import weakref
 from dataclasses import fields
@@ -26,22 +27,58 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
 
-from .cache_reslin import ResLinCache
-from .configuration_reslin import ResLinConfig
-# Unused here: imported so that it ships with the model, since save_pretrained copies this file's
-# `from .x import` siblings and the remote-code loader fetches them.
-from .context_parallel_reslin import context_parallel_forward  # noqa: F401
-from .kernels_reslin import reslin_attention, reslin_decode_step
-
+# Every module of the model is imported here, each by one name, used here or not (F401): save_pretrained
+# and the remote-code loader copy the files this file imports (`from .x import`), and loaders
+# before transformers 5.10 follow no further. Relative imports for them; plain ones for a folder
+# on sys.path (`import modeling_reslin`).
 try:
-    from .kernels_reslin_triton_layers import rms_norm as fused_rms_norm
-    from .kernels_reslin_triton_layers import short_convolution as fused_short_convolution
-    from .kernels_reslin_triton_layers import gates as fused_gates
-    from .kernels_reslin_triton_layers import swiglu as fused_swiglu
+    from .cache_reslin import ResLinCache
+    from .configuration_reslin import ResLinConfig
+    from .context_parallel_reslin import context_parallel_forward  # noqa: F401
+    from .kernels_reslin import reslin_attention, reslin_decode_step
+    from .kernels_reslin_torch import chunk_reslin  # noqa: F401
+except ImportError:
+    from cache_reslin import ResLinCache
+    from configuration_reslin import ResLinConfig
+    from context_parallel_reslin import context_parallel_forward  # noqa: F401
+    from kernels_reslin import reslin_attention, reslin_decode_step
+    from kernels_reslin_torch import chunk_reslin  # noqa: F401
+try:
+    try:
+        from .kernels_reslin_triton import chunk_attention  # noqa: F401
+        from .kernels_reslin_triton_backward import chunk_backward  # noqa: F401
+        from .kernels_reslin_triton_common import TRITON_DTYPES  # noqa: F401
+        from .kernels_reslin_triton_decode import _decode_step_kernel  # noqa: F401
+        from .kernels_reslin_triton_forward import chunk_forward  # noqa: F401
+        from .kernels_reslin_triton_launch import _Launcher  # noqa: F401
+        from .kernels_reslin_triton_layers import gates as fused_gates
+        from .kernels_reslin_triton_layers import rms_norm as fused_rms_norm
+        from .kernels_reslin_triton_layers import short_convolution as fused_short_convolution
+        from .kernels_reslin_triton_layers import swiglu as fused_swiglu
+        from .kernels_reslin_triton_output import _chunk_output_kernel  # noqa: F401
+        from .kernels_reslin_triton_state import _chunk_state_kernel  # noqa: F401
+        from .kernels_reslin_triton_tuning import CHUNK_SIZE  # noqa: F401
+        from .kernels_reslin_triton_wy import _chunk_wy_kernel  # noqa: F401
+    except ImportError:
+        from kernels_reslin_triton import chunk_attention  # noqa: F401
+        from kernels_reslin_triton_backward import chunk_backward  # noqa: F401
+        from kernels_reslin_triton_common import TRITON_DTYPES  # noqa: F401
+        from kernels_reslin_triton_decode import _decode_step_kernel  # noqa: F401
+        from kernels_reslin_triton_forward import chunk_forward  # noqa: F401
+        from kernels_reslin_triton_launch import _Launcher  # noqa: F401
+        from kernels_reslin_triton_layers import gates as fused_gates
+        from kernels_reslin_triton_layers import rms_norm as fused_rms_norm
+        from kernels_reslin_triton_layers import short_convolution as fused_short_convolution
+        from kernels_reslin_triton_layers import swiglu as fused_swiglu
+        from kernels_reslin_triton_output import _chunk_output_kernel  # noqa: F401
+        from kernels_reslin_triton_state import _chunk_state_kernel  # noqa: F401
+        from kernels_reslin_triton_tuning import CHUNK_SIZE  # noqa: F401
+        from kernels_reslin_triton_wy import _chunk_wy_kernel  # noqa: F401
 except ImportError:  # no Triton: the torch code below serves everywhere
     fused_rms_norm = fused_short_convolution = fused_swiglu = fused_gates = None
 
@@ -130,9 +167,11 @@ class ResLinShortConvolution(nn.Conv1d):
         super().__init__(dim, dim, kernel_size, groups=dim, bias=False)
         self.fused = fused
 
-    def forward(self, x, state=None, positions=None, l2_head_size=None):
+    def forward(self, x, state=None, positions=None, l2_head_size=None, inference=False):
+        """`inference`: autograd is off (the layer decides it once a call): the fused kernel then
+        moves a cache's state along in place."""
         if runs_fused(self.fused, x):
-            if state is not None and not torch.is_grad_enabled() and state.dtype == x.dtype and state.is_contiguous():
+            if state is not None and inference and state.dtype == x.dtype and state.is_contiguous():
                 # A cache's state, moved along by the kernel itself: no window formed, no copy back.
                 return fused_short_convolution(x, self.weight, state, positions, l2_head_size, update_state=True), state
             y = fused_short_convolution(x, self.weight, state, positions, l2_head_size)
@@ -216,19 +255,19 @@ class ResLinLinearAttention(nn.Module):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
 
-    def input_projections(self, x, norm=None):
+    def input_projections(self, x, norm=None, inference=False):
         """q, k and v before their convolutions, the gates' a, b and c (c None without the residual
         state) and the output norm's gate, of x, or with `norm` of norm(x): the norm then gives the
         projections' outputs itself (the fused path keeps no normed copy of x for their weights'
         gradients). A generation step on CUDA takes them from one GEMM over the weights side by
         side: at a few rows each projection is a launch on few SMs (H200, 400M shape, B = 1: about 7
-        us for q, k or v, 4 us for a gate, against one GEMM and the weights' copy)."""
+        us for q, k or v, 4 us for a gate, against one GEMM and the weights' copy). `inference`:
+        autograd is off."""
         projections = [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj]
         if self.use_residual:
             projections.append(self.gamma_proj)
         projections.append(self.g_proj)
-        if (x.shape[1] == 1 and runs_fused(self.fused, x) and not torch.is_grad_enabled()
-                and all(map(is_plain_linear, projections))):
+        if x.shape[1] == 1 and inference and runs_fused(self.fused, x) and all(map(is_plain_linear, projections)):
             x = x if norm is None else norm(x)
             weight = torch.cat([projection.weight for projection in projections])
             outputs = F.linear(x, weight).split([projection.out_features for projection in projections], dim=-1)
@@ -238,11 +277,12 @@ class ResLinLinearAttention(nn.Module):
             outputs = [projection(x) for projection in projections]
         return tuple(outputs) if self.use_residual else (*outputs[:5], None, outputs[5])
 
-    def gates(self, a, b, c):
+    def gates(self, a, b, c, inference=False):
         """In fp32 from the gates' projections: g = -exp(A_log) * softplus(a + dt_bias) <= 0,
         beta = sigmoid(b), gamma = sigmoid(c) (None without the residual state). Without autograd on
-        CUDA in one fused kernel (a generation step's time goes to its launches)."""
-        if runs_fused(self.fused, a) and not torch.is_grad_enabled():
+        CUDA in one fused kernel (a generation step's time goes to its launches); `inference`:
+        autograd is off."""
+        if inference and runs_fused(self.fused, a):
             return fused_gates(a, b, c, self.A_log, self.dt_bias)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return g, b.float().sigmoid(), None if c is None else c.float().sigmoid()
@@ -266,15 +306,18 @@ class ResLinLinearAttention(nn.Module):
         positions = position_ids if cu_seqlens is not None else None
         # q and k come out of their convolutions L2-normalised per head; KLA keeps raw keys.
         kaczmarz = self.step_rule == "kaczmarz"
-        q, k, v, a, b, c, gate = self.input_projections(x, norm)
-        q, q_state = self.q_conv1d(q, q_state, positions, l2_head_size=self.head_dim)
-        k, k_state = self.k_conv1d(k, k_state, positions, None if kaczmarz else self.head_dim)
-        v, v_state = self.v_conv1d(v, v_state, positions)
+        # Decided once a call and passed down: without autograd a generation step advances the cache's
+        # states in place, and the inference-only fused kernels apply.
+        inference = not torch.is_grad_enabled()
+        q, k, v, a, b, c, gate = self.input_projections(x, norm, inference)
+        q, q_state = self.q_conv1d(q, q_state, positions, self.head_dim, inference)
+        k, k_state = self.k_conv1d(k, k_state, positions, None if kaczmarz else self.head_dim, inference)
+        v, v_state = self.v_conv1d(v, v_state, positions, None, inference)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_heads, self.head_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
 
-        g, beta, gamma = self.gates(a, b, c)
+        g, beta, gamma = self.gates(a, b, c, inference)
         gamma_write = None  # the residual state's write strength, when it is not gamma itself
         if kaczmarz:
             # KLA keeps raw keys and takes the step eta / (||k||^2 + eps), per key head shared by its value
@@ -294,11 +337,11 @@ class ResLinLinearAttention(nn.Module):
             g, beta, gamma, gamma_write = (t if t is None else t * step for t in (g, beta, gamma, gamma_write))
 
         state = cache.recurrent_states[self.layer_idx] if cache is not None else None
-        if state is not None and T == 1 and not torch.is_grad_enabled():
+        if state is not None and T == 1 and inference:
             # A generation step: advance the cached fp32 states in place (the fused decode kernel on
             # CUDA). Not under autograd, where an earlier graph may still need the old states.
-            o = reslin_decode_step(q, k, v, g, beta, state, gamma, gamma_write, update=self.update_rule,
-                                   clip=self.residual_clip, backend=self.kernel_backend)
+            o = reslin_decode_step(q, k, v, g, beta, state, gamma=gamma, gamma_write=gamma_write,
+                                   update=self.update_rule, clip=self.residual_clip, backend=self.kernel_backend)
         else:
             o, state = reslin_attention(q, k, v, g, beta, gamma, update=self.update_rule, clip=self.residual_clip,
                                         initial_state=state, output_final_state=cache is not None,
@@ -493,10 +536,92 @@ def check_input_ids(input_ids, vocab_size):
         raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
 
 
+def check_integer_tensor(name, value):
+    """A 2-D tensor of integers (token ids, labels, positions), by type, dtype and rank only."""
+    if not torch.is_tensor(value):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integers (torch.long), got dtype {value.dtype}")
+    if value.dim() != 2:
+        raise ValueError(f"{name} must have shape [batch, tokens], got {tuple(value.shape)}")
+
+
+def check_model_inputs(config, input_ids, inputs_embeds, position_ids, cache):
+    """Check what a caller passed to the model's forward, from types, dtypes and shapes only: no
+    value is read, so no device sync, and it runs at every generation step. Returns the batch
+    size and the number of new tokens. (The attention mask is checked by check_attention_mask,
+    which needs the cache's length.)"""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of input_ids and inputs_embeds" +
+                         (", not both" if input_ids is not None else ", got neither"))
+    if input_ids is not None:
+        check_integer_tensor("input_ids", input_ids)
+        name, shape = "input_ids", input_ids.shape
+    else:
+        if not torch.is_tensor(inputs_embeds):
+            raise TypeError(f"inputs_embeds must be a torch.Tensor, got {type(inputs_embeds).__name__}")
+        if not inputs_embeds.is_floating_point():
+            raise TypeError(f"inputs_embeds must be floating point, got dtype {inputs_embeds.dtype}")
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != config.hidden_size:
+            raise ValueError(f"inputs_embeds must have shape [batch, tokens, hidden_size={config.hidden_size}], "
+                             f"got {tuple(inputs_embeds.shape)}")
+        name, shape = "inputs_embeds", inputs_embeds.shape
+    batch_size, num_tokens = shape[:2]
+    if batch_size == 0 or num_tokens == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(shape)}): give at least one row of at least one token")
+    if position_ids is not None:
+        check_integer_tensor("position_ids", position_ids)
+        if position_ids.shape[0] not in (1, batch_size) or position_ids.shape[1] != num_tokens:
+            raise ValueError(f"position_ids must have shape [batch, tokens] = [{batch_size}, {num_tokens}] "
+                             f"(or [1, {num_tokens}]), got {tuple(position_ids.shape)}")
+    # By what it can do rather than its class: a ResLinCache imported through another path
+    # (remote code, the repository's own folder) is another class object.
+    if cache is not None and not callable(getattr(cache, "check_compatible", None)):
+        raise TypeError(f"cache must be a ResLinCache, got {type(cache).__name__}: ResLin layers keep recurrent "
+                        f"states that transformers' caches cannot hold (pass None and the model builds its own)")
+    if cache is not None:
+        cache.check_compatible(config, batch_size)
+    return batch_size, num_tokens
+
+
+def check_prompt(config, input_ids, inputs_embeds, attention_mask):
+    """What generate was given as the prompt: input_ids and/or inputs_embeds (both: the ids are
+    returned as the prompt of the embeddings, so their shapes agree), and the mask over it."""
+    if inputs_embeds is not None:
+        prompt_shape = check_model_inputs(config, None, inputs_embeds, None, None)
+        if input_ids is not None:
+            check_integer_tensor("input_ids", input_ids)
+            if tuple(input_ids.shape) != prompt_shape:
+                raise ValueError(f"input_ids given with inputs_embeds must have their [batch, tokens] = "
+                                 f"{list(prompt_shape)}, got {tuple(input_ids.shape)}")
+    elif input_ids is not None:
+        prompt_shape = check_model_inputs(config, input_ids, None, None, None)
+    else:
+        return  # generate starts from the bos token, or says that there is none
+    if attention_mask is not None:
+        check_attention_mask(attention_mask, *prompt_shape, check_values=False)
+
+
+def check_labels(name, labels, input_shape, num_logits):
+    """`labels` (or `shift_labels`) against the inputs' [batch, tokens] and the logits kept."""
+    check_integer_tensor(name, labels)
+    if tuple(labels.shape) != input_shape:
+        raise ValueError(f"{name} must have the inputs' shape [batch, tokens] = {list(input_shape)}, "
+                         f"got {tuple(labels.shape)}")
+    if num_logits != input_shape[1]:
+        raise ValueError(f"{name} need the logits of every position: pass logits_to_keep=0 (it keeps {num_logits} "
+                         f"of {input_shape[1]})")
+
+
 def check_attention_mask(attention_mask, batch_size, total_length, check_values=True):
     """Validate a 2-D padding mask; return it as bool, or None when nothing is padded. Without
     `check_values` only its shape is checked, and it is returned as bool: reading its values
     costs a device sync."""
+    if not torch.is_tensor(attention_mask):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+    if attention_mask.is_complex():
+        raise TypeError(f"attention_mask must hold 0 (padding) and 1 (token) as integers, booleans or floats, "
+                        f"got dtype {attention_mask.dtype}")
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch_size, total_length):
         raise ValueError(f"attention_mask must have shape [batch, past + new tokens] = [{batch_size}, {total_length}], "
                          f"got {tuple(attention_mask.shape)}")
@@ -604,17 +729,17 @@ class ResLinModel(ResLinPreTrainedModel):
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
-        B, T = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions if output_attentions is not None else self.config.output_attentions:
+            logger.warning_once("ResLin models return no attention weights (`attentions` is None): the recurrent "
+                                "layers have none, and the full attention layers run SDPA, which gives none.")
+        B, T = check_model_inputs(self.config, input_ids, inputs_embeds, position_ids, cache)
 
         if any(layer.gradient_checkpointing for layer in self.layers) and self.training and torch.is_grad_enabled():
             # The backward replay would read states the forward already advanced.
             if use_cache or cache is not None:
                 logger.warning_once("A cache is incompatible with gradient checkpointing in training: not using one.")
             use_cache, cache = False, None
-        if cache is not None:
-            cache.check_compatible(self.config, B)
         past = cache.get_seq_length() if cache is not None else 0
         # A generation step's token and mask come from checked ones (generate samples the token and
         # extends the mask with ones): only shapes are checked then, since reading values syncs the
@@ -760,6 +885,17 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
     return total / num_items_in_batch
 
 
+def requests_assisted_decoding(generation_config, generate_kwargs):
+    """Whether generate(**generate_kwargs) would decode with an assistant, by transformers' own rule
+    (GenerationConfig.get_generation_mode), to which versions add triggers (5.25: `use_mtp`)."""
+    config = copy.deepcopy(generation_config)
+    for name, value in generate_kwargs.items():
+        # As generate applies its keyword settings; GenerationConfig.update would also warn about them.
+        if hasattr(config, name):
+            setattr(config, name, value)
+    return config.get_generation_mode(generate_kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION
+
+
 def resolve_cache_keyword(cache, past_key_values):
     # transformers 5.24's generate passes `cache=`, 5.17's `past_key_values=`: accept both.
     if cache is not None and past_key_values is not None and cache is not past_key_values:
@@ -769,8 +905,8 @@ def resolve_cache_keyword(cache, past_key_values):
 
 class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
-    # generate refuses assisted / speculative decoding for stateful models: rejecting draft tokens
-    # would need the recurrent state rolled back, which ResLinCache cannot do.
+    # Read by transformers' generate up to 5.24 (see `generate` below), and by other tools that ask
+    # whether a model's past can be cropped.
     _is_stateful = True
 
     def __init__(self, config):
@@ -820,12 +956,32 @@ class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states[:, keep, :])
         loss = None
         if labels is not None:
+            for name, value in (("labels", labels), ("shift_labels", kwargs.get("shift_labels"))):
+                if value is not None:
+                    check_labels(name, value, tuple(hidden_states.shape[:2]), logits.shape[1])
             # Under torch.compile transformers' own loss: inductor fuses it without the fp32 copies.
             loss_function = self.loss_function if torch.compiler.is_compiling() else causal_lm_loss
             loss = loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         output = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                         **{CACHE_FIELD: outputs[CACHE_FIELD] if CACHE_FIELD in outputs else None})
         return output if return_dict else output.to_tuple()
+
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """GenerationMixin.generate, after checking the prompt (malformed ones fail in transformers'
+        preparation with errors that name something else) and refusing assisted and speculative decoding
+        (`assistant_model`, `prompt_lookup_num_tokens`, ...): checking draft tokens needs the
+        recurrent state rolled back to the last accepted one, which a ResLinCache cannot do.
+        transformers refused them for stateful models itself up to 5.24; 5.25 fails later, with
+        "Assisted decoding requires a cache"."""
+        check_prompt(self.config, kwargs.get("input_ids") if inputs is None else inputs, kwargs.get("inputs_embeds"),
+                     kwargs.get("attention_mask"))
+        if requests_assisted_decoding(self.generation_config if generation_config is None else generation_config,
+                                      kwargs):
+            raise ValueError(f"{type(self).__name__} cannot run assisted or speculative decoding (assistant_model, "
+                             f"prompt_lookup_num_tokens, assistant_early_exit, ...): rejecting a draft token would "
+                             f"need the recurrent state rolled back, which ResLin's cache cannot do. Generate "
+                             f"without them.")
+        return super().generate(inputs, generation_config, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, **kwargs):
         # (generate checks this signature for `inputs_embeds` before it accepts them.)

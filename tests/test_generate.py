@@ -4,8 +4,14 @@ Token comparisons are exact (greedy argmax on fp32 logits that agree to ~1e-6); 
 comparisons use atol 1e-4.
 """
 
+import logging
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from transformers import GenerationConfig
 
 
 def cache_of(output):
@@ -126,14 +132,57 @@ def test_continue_linear_only_model_from_cache(tiny_model):
     assert torch.equal(continued, model.generate(first.sequences, max_new_tokens=3, do_sample=False))
 
 
+ASSISTED = {
+    "assistant_model": lambda tiny_model: {"assistant_model": tiny_model("rdn", seed=1)},
+    "prompt_lookup_num_tokens": lambda tiny_model: {"prompt_lookup_num_tokens": 2},
+    "assistant_early_exit": lambda tiny_model: {"assistant_early_exit": 1},
+    "generation_config": lambda tiny_model: {"generation_config": GenerationConfig(prompt_lookup_num_tokens=2,
+                                                                                  max_new_tokens=3)},
+}
+
+
+@pytest.mark.parametrize("how", list(ASSISTED))
 @torch.no_grad()
-def test_assisted_decoding_is_refused(tiny_model):
+def test_assisted_decoding_is_refused_with_our_error(tiny_model, how):
+    """Ours on every transformers version: 5.24 refused stateful models with its own message, 5.25
+    fails later with "Assisted decoding requires a cache"."""
     model = tiny_model("rdn")
     ids = torch.randint(1, 100, (1, 5))
-    with pytest.raises(ValueError, match="assisted generation is not supported"):
-        model.generate(ids, max_new_tokens=3, assistant_model=tiny_model("rdn", seed=1))
-    with pytest.raises(ValueError, match="assisted generation is not supported"):
-        model.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=2)
+    with pytest.raises(ValueError, match="ResLinForCausalLM cannot run assisted or speculative decoding"):
+        model.generate(ids, **{"max_new_tokens": 3, **ASSISTED[how](tiny_model)})
+
+
+@torch.no_grad()
+def test_assisted_decoding_set_in_the_model_generation_config_is_refused(tiny_model):
+    model = tiny_model("rdn")
+    model.generation_config.prompt_lookup_num_tokens = 2
+    with pytest.raises(ValueError, match="cannot run assisted"):
+        model.generate(torch.randint(1, 100, (1, 5)), max_new_tokens=3)
+    # A keyword setting overrides the config's, as in generate.
+    assert model.generate(torch.randint(1, 100, (1, 5)), max_new_tokens=3, prompt_lookup_num_tokens=None).shape == (1, 8)
+
+
+@torch.no_grad()
+def test_output_attentions_warns_once_and_gives_none(tiny_model, reslin, caplog):
+    """Recurrent layers have no attention weights, and the full attention layers run SDPA: no layer
+    returns any, and the model says so once rather than returning None silently."""
+    model = tiny_model("hybrid")
+    ids = torch.randint(1, 100, (2, 5))
+    type(reslin.modeling.logger).warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        assert model(ids, output_attentions=True).attentions is None
+        assert model(ids, output_attentions=True).attentions is None
+        out = model.generate(ids, max_new_tokens=2, do_sample=False, output_attentions=True,
+                             return_dict_in_generate=True)
+    assert all(step is None for step in out.attentions)
+    warnings = [record.getMessage() for record in caplog.records if "no attention weights" in record.getMessage()]
+    assert len(warnings) == 1 and "recurrent layers" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        type(reslin.modeling.logger).warning_once.cache_clear()
+        model(ids)
+        model(ids, output_attentions=False)
+    assert not caplog.records
 
 
 @torch.no_grad()
@@ -186,3 +235,44 @@ def test_generate_into_a_user_built_cache(tiny_model, reslin):
     assert cache.get_seq_length() == out.shape[1] - 1
     with pytest.raises(ValueError, match="batch of 2"):
         model.generate(ids[:1], max_new_tokens=2, cache=reslin.ResLinCache(model.config, batch_size=2))
+
+
+def test_tokenizer_loads_without_remote_code_and_pads_left(repo_copy):
+    """tokenizer_config.json names a stock class (transformers 4.57 then never reads config.json)
+    and pads on the left, as batched generation needs. transformers 5 reads config.json before the
+    tokenizer config whatever it says, and asks whether to run the config's remote code: with
+    trust_remote_code=False it asks nothing and falls back to a plain config, with stdin closed it
+    falls back without waiting."""
+    script = """
+import sys
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], **eval(sys.argv[2]))
+batch = tokenizer(["a", "def f(x): return x"], padding=True)
+print(tokenizer.padding_side, batch.input_ids[0][:2], batch.attention_mask[0][:2])
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for kwargs in ("{}", "{'trust_remote_code': False}"):
+        result = subprocess.run([sys.executable, "-c", script, str(repo_copy), kwargs], stdin=subprocess.DEVNULL,
+                                capture_output=True, text=True, timeout=120, env=env)
+        assert result.returncode == 0, result.stderr
+        # (After the prompt's text, on its line, when transformers asks.)
+        assert result.stdout.endswith("left [0, 0] [0, 0]\n"), result.stdout
+        if kwargs != "{}":
+            assert "Do you wish to run the custom code" not in result.stdout + result.stderr
+
+
+@torch.no_grad()
+def test_batched_generate_with_the_repository_tokenizer(tiny_model, reslin):
+    """The user's path: the tokenizer pads a batch of prompts on the left, and each row generates
+    what it generates alone."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(reslin.repo_root)
+    model = tiny_model("rdn", vocab_size=len(tokenizer))
+    prompts = ["def f(x):", "import os\nprint(os.getcwd())"]
+    batch = tokenizer(prompts, padding=True, return_tensors="pt")
+    assert (batch.attention_mask[:, -1] == 1).all()
+    out = model.generate(**batch, max_new_tokens=4, do_sample=False)
+    for i, prompt in enumerate(prompts):
+        alone = model.generate(**tokenizer([prompt], return_tensors="pt"), max_new_tokens=4, do_sample=False)
+        assert torch.equal(out[i, -4:], alone[0, -4:])
