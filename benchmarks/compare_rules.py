@@ -13,23 +13,29 @@ One markdown table at the end, with the command that reproduces each of its rows
    <results>/lm/<rule>-seed<seed>/ (train.py's output: metrics.json, model, checkpoint). The
    table takes the final validation loss and bits per byte over all held-out files, and tokens/s
    at the median training step (a short run's mean would weigh the first step's Triton compiles).
-2. MQAR part: benchmarks/mqar.py's `main` once per rule and seed, the paper's task at mqar.py's
-   defaults (2 layers, 32 pairs, train length 256, 10K steps, lr 1e-3), each into
-   <results>/mqar/<rule>-seed<seed>.json; the table takes the accuracy at 1x, 2x, 4x and 8x.
+2. MQAR part: benchmarks/mqar.py's `main` once per rule and seed, the KLA paper's task under
+   --mqar-protocol (default kla-authors, the KLA authors' protocol: 2 layers, 32 pairs, train
+   length 256, lr 1e-3 constant, at most 10K steps, early stopping on the validation accuracy, the
+   best checkpoint tested; reslin-gap: this comparison's earlier variant, see mqar.py), each into
+   <results>/mqar/<rule>-seed<seed>.json; the table takes the test accuracy at 1x, 2x, 4x and 8x
+   and names the protocol of each row. The seed sets the initial weights and the batch order
+   (and, under reslin-gap only, the data). The protocol is one of the part's recorded flags (see
+   below), so one results folder never mixes the protocols' results: the runs of the other
+   protocol go in another --results folder.
 3. The table: per rule, mean ± sample standard deviation over the seeds present and which seeds
    those are; "missing" where a requested run has no result, "—" where none was asked for. Below
    it: the setting each part ran in, each paper's claim beside the measured difference, and one
    command per row and part. --table prints it without running anything; every run ends with it.
 
-Rules: --rules picks them (default: all six for the LM part; gdn, kla, rdn and rkla for MQAR,
-the KLA paper's set). A run finished in --results is not run again, so a comparison can be split
-over several processes (one GPU call each) and a stopped one continued; an LM run stopped after
-a checkpoint resumes from it (train.py --resume). A rule whose LM run fails (a non-finite loss)
-is reported and the others still run. The first run in a --results folder records the flags of
-each part in comparison.json; a later command with other flags is refused, so one folder is one
-comparison. Extra flags go to every run through --train-args / --mqar-args, written with "="
-(argparse takes a lone "--smoke" after a space for a flag of its own): --mqar-args=--smoke,
---train-args="--hidden-size 32 --layers 2".
+Rules: --rules picks them (default: all six for both parts; the KLA paper's MQAR has gdn and
+kla, ResLin's other rules run the same task). A run finished in --results is not run again, so
+a comparison can be split over several processes (one GPU call each) and a stopped one
+continued; an LM run stopped after a checkpoint resumes from it (train.py --resume). A rule
+whose LM run fails (a non-finite loss) is reported and the others still run. The first run in a
+--results folder records the flags of each part in comparison.json; a later command with other
+flags is refused, so one folder is one comparison. Extra flags go to every run through
+--train-args / --mqar-args, written with "=" (argparse takes a lone "--smoke" after a space for a
+flag of its own): --mqar-args=--smoke, --train-args="--hidden-size 32 --layers 2".
 
 The LM config, sized for one H200: train.py's default model (rdn: 18.6M parameters with tied
 embeddings, hidden 384, 8 layers, 6 heads of 64), rows of 1024 tokens, 8 rows a step, 500 steps
@@ -50,10 +56,15 @@ call starts runs only while they can still finish (--start-within). Session 6, 2
 8 (runs go to the visible GPU running the fewest) with MQAR's step compiled (--mqar-args=--compile:
 9.2 ms a step alone against 19.6 ms eager) finished the other 24 runs, 12 LM and 12 MQAR, in two
 jobs of 346 s and 164 s: the job `bash tools/gpu_run.sh compare` is --jobs 4 per GPU,
---start-within 3.5 in 570 s. A GPU call is at most 10 minutes and starts a bare machine, so repeat one
+--start-within 3.5 in 570 s. Those MQAR runs were reslin-gap's fixed 10K steps; a kla-authors run
+trains the same step for at most 10K steps (fewer when it stops early) and adds 50 validations
+of 0.5M tokens (forward only, ~0.1 s each), so those times bound it. Its steps run are in the
+table's notes. A GPU call is at most 10 minutes and starts a bare machine, so repeat one
 command until the table is whole, bringing back only the small JSON files. The default --results,
 benchmarks/results/compare/, is in the repository (its .gitignore keeps the JSON files only):
 what is committed there is the README's table, and travels to the GPU machine with the tree.
+Its MQAR runs are --mqar-protocol reslin-gap's (recorded so in its comparison.json), so a
+command there with the default kla-authors protocol is refused.
 
     bash tools/gpu_run.sh compare    # on the GPU machine: the runs, then $OUT/compare.tgz
     # then here, in the repository's root: tar xzf <files_at>/compare.tgz, and commit the results;
@@ -84,7 +95,7 @@ import mqar  # noqa: E402  (a sibling script: benchmarks/ is on sys.path)
 import train  # noqa: E402
 
 LM_RULES = ("sgla", "rla", "gdn", "kla", "rdn", "rkla")
-MQAR_RULES = ("gdn", "kla", "rdn", "rkla")  # the KLA paper's MQAR set (it has no sGLA, RLA)
+MQAR_RULES = LM_RULES  # the KLA paper's MQAR has gdn and kla; ResLin's other rules run it too
 PARTS = ("lm", "mqar")
 LM_STEPS = 500
 DEFAULT_RESULTS = REPO / "benchmarks" / "results" / "compare"
@@ -94,14 +105,14 @@ LM_CONFIG = ["--tie-word-embeddings", "--batch-size", "8", "--seq-len", "1024", 
 # What compare_rules itself sets in every LM run: --train-args must leave them alone. A time budget
 # or --resume from the command line would make the runs see different tokens.
 OWNED_TRAIN_FLAGS = ("attn_type", "seed", "out_dir", "data_dir", "corpus", "max_steps", "time_budget", "resume")
-OWNED_MQAR_FLAGS = ("--attn-types", "--seed", "--out")
+OWNED_MQAR_FLAGS = ("--attn-types", "--seed", "--out", "--protocol")
 CONFIG_FILE = "comparison.json"
 MAX_EPOCHS = 2
 # (part, metric, rule, baseline, what the paper measured): the paper found the rule better.
 PAPER_CLAIMS = (
     ("lm", "loss", "rdn", "gdn", "RDN 16.57 vs GDN 17.27 WikiText perplexity, 1.5B parameters, 100B tokens"),
     ("lm", "loss", "kla", "gdn", "KLA 8.09 vs GDN 8.50 validation perplexity, 0.4B parameters, 1B tokens"),
-    ("mqar", "8x", "kla", "gdn", "KLA 73.84% vs GDN 66.81% at 8x the train length"),
+    ("mqar", "8x", "kla", "gdn", "KLA 73.84% vs GDN 66.81% at 8x the train length, the kla-authors protocol"),
 )
 
 
@@ -120,6 +131,8 @@ def parse_args(argv=None):
     parser.add_argument("--corpus", type=Path, help="LM corpus folder (default: train.py's, the standard library)")
     parser.add_argument("--max-steps", type=int, default=LM_STEPS, help=f"LM training steps (default {LM_STEPS})")
     parser.add_argument("--train-args", default="", help="more train.py flags for every LM run, as one string")
+    parser.add_argument("--mqar-protocol", choices=mqar.PROTOCOLS, default=mqar.PROTOCOLS[0],
+                        help=f"benchmarks/mqar.py's --protocol (default {mqar.PROTOCOLS[0]}, the KLA authors')")
     parser.add_argument("--mqar-args", default="", help="more benchmarks/mqar.py flags for every MQAR run")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once, each its own process (default 1), spread over the visible GPUs")
@@ -169,8 +182,9 @@ def finished_runs(results, part):
             result = finished_lm_run(path)
         else:
             saved = json.loads(path.read_text())
+            # A result without a protocol predates mqar.py's --protocol: reslin-gap made it.
             result = {**saved["runs"][saved["best"][rule]], "task": saved["task"], "device": saved["device"],
-                      "eval_lengths": saved["eval_lengths"]}
+                      "eval_lengths": saved["eval_lengths"], "protocol": saved.get("protocol", "reslin-gap")}
         if result is not None:
             runs.setdefault(rule, {})[int(seed)] = result
     return runs
@@ -210,12 +224,20 @@ def lm_run_argv(train_args, rule, seed, results):
     return argv
 
 
+def mqar_flags(args):
+    """The compare_rules flags that fix the MQAR part's config (for its record and its commands)."""
+    return ["--mqar-protocol", args.mqar_protocol, *([f"--mqar-args={args.mqar_args}"] if args.mqar_args else [])]
+
+
 def mqar_args(args):
+    """mqar.py's flags shared by every MQAR run, the protocol first: it is part of the recorded
+    config, so that a results folder refuses runs of another protocol."""
     extra = shlex.split(args.mqar_args)
     owned = [token for token in extra if token.split("=")[0] in OWNED_MQAR_FLAGS]
     if owned:
-        fail(f"--mqar-args must not set {', '.join(owned)}: compare_rules sets them (--rules, --seeds, --results)")
-    return extra
+        fail(f"--mqar-args must not set {', '.join(owned)}: compare_rules sets them (--rules, --seeds, --results, "
+             f"--mqar-protocol)")
+    return ["--protocol", args.mqar_protocol, *extra]
 
 
 def record_config(results, configs):
@@ -385,9 +407,20 @@ def lm_setting(metrics):
 
 def mqar_setting(record):
     task = record["task"]
-    return (f"{task['kv_pairs']} pairs, trained at length {task['train_length']} for {task['steps']} steps of "
-            f"{task['batch_size']}, lr {record['lr']:g}, {task['eval_examples']} sequences per length, on "
-            f"{record['device']}")
+    if record["protocol"] == "kla-authors":
+        training = (f"at most {task['steps']} steps of {task['batch_size']} at a constant lr {record['lr']:g}, "
+                    f"validated every {task['eval_interval']} steps, stopped after {task['patience']} validations "
+                    f"without a gain, the best checkpoint tested")
+    else:
+        training = (f"{task['steps']} steps of {task['batch_size']}, lr {record['lr']:g} (warm-up, cosine decay), "
+                    f"the last model tested")
+    return (f"protocol {record['protocol']}: {task['kv_pairs']} pairs, trained at length {task['train_length']}, "
+            f"{training}; {task['eval_examples']} test sequences per length, on {record['device']}")
+
+
+def protocol_cell(mqar_runs_of_rule):
+    """The MQAR protocol(s) of a rule's runs; "—" without any."""
+    return " + ".join(sorted({record["protocol"] for record in mqar_runs_of_rule.values()})) or "—"
 
 
 def metric_values(lm_runs, mqar_runs):
@@ -407,8 +440,8 @@ def table_lines(values, lm_runs, mqar_runs, lm_rules, mqar_rules, seeds):
     any_mqar = next((record for by_seed in mqar_runs.values() for record in by_seed.values()), None)
     lengths = [f"{f}x" + (f" ({any_mqar['eval_lengths'][f'{f}x']})" if any_mqar else "") for f in mqar.LENGTH_FACTORS]
     lines = ["| rule | val loss (nats/token) | bits/byte | tokens/s | LM seeds | "
-             + " | ".join(f"MQAR {length}" for length in lengths) + " | MQAR seeds |",
-             "|---|" + "---|" * (5 + len(lengths))]
+             + " | ".join(f"MQAR {length}" for length in lengths) + " | MQAR seeds | MQAR protocol |",
+             "|---|" + "---|" * (6 + len(lengths))]
     columns = (("lm", (("loss", 4), ("bits_per_byte", 4), ("tokens_per_second", 0)), lm_rules, lm_runs),
                ("mqar", tuple((f"{f}x", 2) for f in mqar.LENGTH_FACTORS), mqar_rules, mqar_runs))
     for rule in LM_RULES:
@@ -421,6 +454,7 @@ def table_lines(values, lm_runs, mqar_runs, lm_rules, mqar_rules, seeds):
                 present = values[(part, metric)].get(rule)
                 cells.append(mean_and_spread(present, digits) if present else "missing" if requested else "—")
             cells.append(seeds_cell(runs.get(rule, {}), seeds if requested else []))
+        cells.append(protocol_cell(mqar_runs.get(rule, {})))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -434,6 +468,10 @@ def setting_lines(lm_runs, mqar_runs, jobs):
         settings = sorted({setting(result) for by_seed in runs.values() for result in by_seed.values()})
         warning = " (WARNING: its runs differ)" if len(settings) > 1 else ""
         lines += [f"{part}{warning}: {text}" for text in settings]
+    steps = [f"{rule} seed {seed} {record['steps_run']} ({record['best_step']})" for rule in LM_RULES
+             for seed, record in sorted(mqar_runs.get(rule, {}).items()) if "steps_run" in record]
+    if steps:
+        lines.append("MQAR steps run (best step): " + ", ".join(steps))
     return lines
 
 
@@ -500,8 +538,7 @@ def main(argv=None):
         if lm_rules:
             configs["lm"] = {"flags": lm_flags(args), "argv": train_args}
         if mqar_rules:
-            configs["mqar"] = {"flags": [f"--mqar-args={args.mqar_args}"] if args.mqar_args else [],
-                               "argv": extra_mqar_args}
+            configs["mqar"] = {"flags": mqar_flags(args), "argv": extra_mqar_args}
         for config in configs.values():
             config["jobs"] = args.jobs
         record_config(args.results, configs)

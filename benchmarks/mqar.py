@@ -374,8 +374,8 @@ def parse_args(argv=None):
     parser.add_argument("--kv-pairs", type=int, help=f"default {PAPER_TASK['kv_pairs']}")
     parser.add_argument("--eval-examples", type=int,
                         help=f"validation, and test per length (default {PAPER_TASK['eval_examples']})")
-    parser.add_argument("--eval-interval", type=int,
-                        help=f"kla-authors: steps between validations (default {PAPER_EARLY_STOPPING['eval_interval']})")
+    parser.add_argument("--eval-interval", type=int, help=f"kla-authors: steps between validations (default "
+                                                          f"{PAPER_EARLY_STOPPING['eval_interval']})")
     parser.add_argument("--patience", type=int,
                         help=f"kla-authors: validations without a gain before stopping (default "
                              f"{PAPER_EARLY_STOPPING['patience']})")
@@ -425,7 +425,8 @@ def main(argv=None):
         validation_set, data_seeds = None, dict(all=args.seed)
 
     data = (train_set, batches, test_sets, validation_set)
-    runs = [run(attn_type, lr, args, model_shape, task, data, device) for attn_type in args.attn_types for lr in args.lr]
+    runs = [run(attn_type, lr, args, model_shape, task, data, device)
+            for attn_type in args.attn_types for lr in args.lr]
     selection = "validation_accuracy" if args.protocol == "kla-authors" else "1x test accuracy"
     best = {attn_type: max((r for r in runs if r["attn_type"] == attn_type),
                            key=lambda r: r.get("validation_accuracy", r["accuracy"]["1x"]))

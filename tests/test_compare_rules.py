@@ -53,6 +53,8 @@ def test_each_rule_runs_into_its_own_folder_and_a_rerun_skips_finished_runs(tmp_
     for rule in ("gdn", "rdn"):
         saved = json.loads((results / "mqar" / f"{rule}-seed0.json").read_text())
         assert [(run["attn_type"], run["seed"]) for run in saved["runs"]] == [(rule, 0)]
+        assert saved["protocol"] == "kla-authors"  # the default
+        assert table_rows(table)[rule][-2:] == ["0", "kla-authors"]
     assert not list(results.glob("mqar/*.partial"))
 
     calls = []
@@ -126,12 +128,15 @@ def write_lm_run(results, rule, seed, loss, bits_per_byte, step_seconds, device=
     (folder / "metrics.json").write_text(json.dumps(metrics))
 
 
-def write_mqar_run(results, rule, seed, accuracy_8x):
+def write_mqar_run(results, rule, seed, accuracy_8x, steps_run=3000, best_step=1000):
+    """A JSON result as mqar.py writes it under kla-authors, trimmed to what the table reads."""
     folder = results / "mqar"
     folder.mkdir(parents=True, exist_ok=True)
-    run = {"attn_type": rule, "lr": 1e-3, "seed": seed,
+    run = {"attn_type": rule, "lr": 1e-3, "seed": seed, "steps_run": steps_run, "best_step": best_step,
            "accuracy": {"1x": 1.0, "2x": 0.99, "4x": 0.95, "8x": accuracy_8x}}
-    saved = {"task": {"kv_pairs": 32, "train_length": 256, "steps": 10000, "batch_size": 32, "eval_examples": 2000},
+    saved = {"protocol": "kla-authors",
+             "task": {"kv_pairs": 32, "train_length": 256, "steps": 10000, "batch_size": 32, "eval_examples": 2000,
+                      "eval_interval": 200, "patience": 10},
              "eval_lengths": {"1x": 256, "2x": 512, "4x": 1024, "8x": 2048}, "device": "cuda", "runs": [run],
              "best": {rule: 0}}
     (folder / f"{rule}-seed{seed}.json").write_text(json.dumps(saved))
@@ -149,7 +154,7 @@ def fabricated(tmp_path):
     # kla at 8x: 90%, 80% -> 85.00 ± 7.07; gdn 70%.
     write_mqar_run(results, "kla", 0, 0.9)
     write_mqar_run(results, "kla", 1, 0.8)
-    write_mqar_run(results, "gdn", 0, 0.7)
+    write_mqar_run(results, "gdn", 0, 0.7, steps_run=2600, best_step=600)
     (results / "mqar" / "rdn-seed0.json.partial").write_text("{")  # a cut MQAR run: not a result
     (results / compare_rules.CONFIG_FILE).write_text(json.dumps(
         {"lm": {"flags": ["--max-steps", "500"], "argv": []}, "mqar": {"flags": [], "argv": []}}))
@@ -165,14 +170,20 @@ def test_table_aggregates_the_seeds_present_and_marks_what_is_missing(fabricated
     table = compare_rules.main(["--results", str(fabricated), "--table", "--seeds", "0", "1", "2"])
     rows = table_rows(table)
     assert list(rows) == ["sgla", "rla", "gdn", "kla", "rdn", "rkla"]  # the issue's order
-    # rule: loss, bits/byte, tokens/s, LM seeds, MQAR 1x, 2x, 4x, 8x, MQAR seeds
+    # rule: loss, bits/byte, tokens/s, LM seeds, MQAR 1x, 2x, 4x, 8x, MQAR seeds, MQAR protocol
     assert rows["rdn"] == ["3.2000 ± 0.2000", "1.1333 ± 0.1528", "2133 ± 739", "0 1 2",
-                           "missing", "missing", "missing", "missing", "missing 0 1 2"]
+                           "missing", "missing", "missing", "missing", "missing 0 1 2", "—"]
     assert rows["gdn"] == ["3.5000", "1.4000", "2560", "0, missing 1 2", "100.00", "99.00", "95.00", "70.00",
-                           "0, missing 1 2"]
-    assert rows["kla"][4:] == ["100.00 ± 0.00", "99.00 ± 0.00", "95.00 ± 0.00", "85.00 ± 7.07", "0 1, missing 2"]
-    assert rows["sgla"] == ["missing"] * 3 + ["missing 0 1 2"] + ["—"] * 5  # MQAR has no sgla by default
-    assert "| MQAR 1x (256) | MQAR 2x (512) | MQAR 4x (1024) | MQAR 8x (2048) |" in table
+                           "0, missing 1 2", "kla-authors"]
+    assert rows["kla"][4:] == ["100.00 ± 0.00", "99.00 ± 0.00", "95.00 ± 0.00", "85.00 ± 7.07", "0 1, missing 2",
+                               "kla-authors"]
+    assert rows["sgla"] == ["missing"] * 3 + ["missing 0 1 2"] + ["missing"] * 4 + ["missing 0 1 2", "—"]
+    assert "| MQAR 1x (256) | MQAR 2x (512) | MQAR 4x (1024) | MQAR 8x (2048) | MQAR seeds | MQAR protocol |" in table
+    assert ("MQAR: protocol kla-authors: 32 pairs, trained at length 256, at most 10000 steps of 32 at a constant lr "
+            "0.001, validated every 200 steps, stopped after 10 validations without a gain, the best checkpoint "
+            "tested; 2000 test sequences per length, on cuda") in table
+    assert "MQAR steps run (best step): gdn seed 0 2600 (600), kla seed 0 3000 (1000), kla seed 1 3000 (1000)" \
+        in table
 
     assert "LM (WARNING: its runs differ): corpus: 4 train files (2,048 tokens)" in table  # gdn ran elsewhere
     assert "4 steps of 4 x 64 tokens = 1,024 tokens (0.50 epochs), fp32 on NVIDIA H200" in table
@@ -184,7 +195,7 @@ def test_table_aggregates_the_seeds_present_and_marks_what_is_missing(fabricated
     assert f"python benchmarks/compare_rules.py --results {fabricated} --parts lm --rules rdn --seeds 0 1 2 " \
            "--max-steps 500" in commands
     assert f"python benchmarks/compare_rules.py --results {fabricated} --parts mqar --rules kla --seeds 0 1" in commands
-    assert len(commands) == 6 + 4  # a command per row and part
+    assert len(commands) == 6 + 6  # a command per row and part
 
 
 def test_the_papers_claims_read_the_direction_and_the_spread(fabricated):
@@ -215,6 +226,56 @@ def test_a_results_folder_refuses_runs_with_other_flags(tmp_path, corpus, monkey
     assert len(ran) == 2
 
 
+def recording_mqar_main(calls):
+    """Stands in for mqar.main: records its argv and writes a kla-authors result where asked."""
+    def main(argv):
+        calls.append(argv)
+        out = Path(argv[argv.index("--out") + 1])
+        write_mqar_run(out.parent.parent, argv[argv.index("--attn-types") + 1], int(argv[argv.index("--seed") + 1]),
+                       0.5)
+        (out.parent / out.name.removesuffix(".partial")).rename(out)
+    return main
+
+
+def test_mqar_runs_the_six_rules_under_the_authors_protocol_by_default(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(compare_rules.mqar, "main", recording_mqar_main(calls))
+    compare_rules.main(["--results", str(tmp_path / "results"), "--parts", "mqar", "--mqar-args=--compile"])
+    assert [argv[argv.index("--attn-types") + 1] for argv in calls] == ["sgla", "rla", "gdn", "kla", "rdn", "rkla"]
+    assert all(argv[:3] == ["--protocol", "kla-authors", "--compile"] for argv in calls)
+    recorded = json.loads((tmp_path / "results" / compare_rules.CONFIG_FILE).read_text())["mqar"]
+    assert recorded["flags"] == ["--mqar-protocol", "kla-authors", "--mqar-args=--compile"]
+    assert recorded["argv"] == ["--protocol", "kla-authors", "--compile"]
+
+
+def test_a_results_folder_refuses_mqar_runs_of_the_other_protocol(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(compare_rules.mqar, "main", recording_mqar_main(calls))
+    results = tmp_path / "results"
+    compare_rules.main(["--results", str(results), "--parts", "mqar", "--rules", "gdn", "--mqar-protocol", "reslin-gap"])
+    assert calls[0][:2] == ["--protocol", "reslin-gap"]
+    with pytest.raises(SystemExit, match="holds mqar runs made with the flags --protocol reslin-gap; this command "
+                                         "gives --protocol kla-authors"):
+        compare_rules.main(["--results", str(results), "--parts", "mqar", "--rules", "kla"])
+    assert len(calls) == 1
+
+
+def test_mqar_results_from_before_the_protocol_flag_are_labelled_reslin_gap(fabricated):
+    saved = json.loads((fabricated / "mqar" / "gdn-seed0.json").read_text())
+    del saved["protocol"]
+    saved["task"] = {name: saved["task"][name] for name in mqar_task_names_before_the_protocols}
+    del saved["runs"][0]["steps_run"], saved["runs"][0]["best_step"]
+    (fabricated / "mqar" / "gdn-seed0.json").write_text(json.dumps(saved))
+    table = compare_rules.main(["--results", str(fabricated), "--table"])
+    assert table_rows(table)["gdn"][-1] == "reslin-gap" and table_rows(table)["kla"][-1] == "kla-authors"
+    assert ("MQAR (WARNING: its runs differ): protocol reslin-gap: 32 pairs, trained at length 256, 10000 steps of "
+            "32, lr 0.001 (warm-up, cosine decay), the last model tested") in table
+    assert "MQAR steps run (best step): kla seed 0 3000 (1000), kla seed 1 3000 (1000)" in table
+
+
+mqar_task_names_before_the_protocols = ("kv_pairs", "train_length", "steps", "batch_size", "eval_examples")
+
+
 def error_of(argv, capsys):
     with pytest.raises(SystemExit) as raised:
         compare_rules.main(argv)
@@ -231,6 +292,8 @@ def error_of(argv, capsys):
     (["--train-args=--time-budget 5"], "--train-args must not set --time-budget"),
     (["--train-args=--max-steps=9"], "--train-args must not set --max-steps"),
     (["--mqar-args=--smoke --seed=3"], "--mqar-args must not set --seed=3"),
+    (["--mqar-args=--protocol reslin-gap"], "--mqar-args must not set --protocol: compare_rules sets them"),
+    (["--mqar-protocol", "zoology"], "argument --mqar-protocol: invalid choice: 'zoology'"),
     (["--table"], "is not a folder: nothing to tabulate"),
 ])
 def test_bad_arguments_fail_clearly(tmp_path, capsys, monkeypatch, argv, message):
