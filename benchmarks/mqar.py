@@ -143,7 +143,7 @@ def power_law_positions(shape, low, high, generator):
     ~ x ** -QUERY_POSITION_POWER on [low, high), by inverting its CDF
     F(x) = (x^e - low^e) / (high^e - low^e), e = 1 - QUERY_POSITION_POWER."""
     exponent = 1 - QUERY_POSITION_POWER
-    uniform = torch.rand(shape, generator=generator, dtype=torch.float64)
+    uniform = torch.rand(shape, generator=generator, dtype=torch.float64, device=generator.device)
     draws = (low ** exponent + uniform * (high ** exponent - low ** exponent)) ** (1 / exponent)
     return draws.floor().long().clamp_(low, high - 1)  # the clamp only guards rounding at the ends
 
@@ -165,7 +165,7 @@ def make_kla_authors_mqar(num_examples, seq_len, kv_pairs, vocab_size, generator
 
     order = torch.rand(num_examples, kv_pairs, device=device, generator=generator).argsort(-1)  # placing order
     asked, answers = keys.gather(1, order), values.gather(1, order)
-    query_positions = power_law_positions((num_examples, kv_pairs), prefix_len, seq_len - 2, generator).to(device)
+    query_positions = power_law_positions((num_examples, kv_pairs), prefix_len, seq_len - 2, generator)
     later = torch.ones(kv_pairs, kv_pairs, dtype=torch.bool, device=device).triu(1)  # [j, i]: query i placed after j
     overwritten = ((query_positions[:, :, None] == query_positions[:, None, :]) & later).any(-1)
     kept = ~overwritten  # the kept positions of a row are distinct: writing them is order-free
