@@ -12,42 +12,74 @@ repository's own model is an 18.6M-parameter RDN trained by train.py on Python s
 
 import argparse
 import os
+import re
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 REPO = os.path.dirname(os.path.abspath(__file__))
+# What the Hub accepts as a repository id: "owner/name".
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
-def load(folder, device, dtype):
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=dtype)
-    # trust_remote_code: AutoTokenizer reads config.json, whose classes are remote code.
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+def fail(message):
+    print(f"generate.py: error: {message}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def model_source(name):
+    """The folder or Hub id that --model names; a missing folder fails here, in one line, rather
+    than in the Hub client (a traceback, or its retries when there is no network)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            fail(f"--model {name}: the folder holds no config.json (give a folder that train.py or "
+                 f"save_pretrained wrote, or a Hub id)")
+        return str(path)
+    if path.exists():
+        fail(f"--model {name}: not a folder (give a folder that train.py or save_pretrained wrote, or a Hub id)")
+    # "owner/name" may be a Hub id, unless "owner" is a folder here: then it is a path into it.
+    if HUB_ID.fullmatch(name) and not Path(name.split("/")[0]).is_dir():
+        return name
+    fail(f"--model {name}: no such folder" + ("" if path.is_absolute() else f" (looked for {os.path.abspath(path)})"))
+
+
+def load(source, device, dtype):
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True, dtype=dtype)
+    except OSError as error:
+        if os.path.isdir(source):
+            raise
+        fail(f"--model {source}: no such folder here, and no such model on the Hub: {str(error).splitlines()[0]}")
+    # trust_remote_code: transformers 5 reads config.json, whose config class is remote code, even
+    # for the tokenizer; it asks whether to run that code otherwise.
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=True)
     return model.to(device).eval(), tokenizer
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("prompt", nargs="?", default="def fibonacci(n):")
-    parser.add_argument("--model", default=REPO, help="model folder or Hub id (default: this repository)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser = argparse.ArgumentParser(description="Complete a prompt with a ResLin model, streaming the new tokens.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="the text to complete")
+    parser.add_argument("--model", default=REPO, help="model folder or Hub id (owner/name)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
     parser.add_argument("--sample", action="store_true", help="sample (top-p 0.9) instead of greedy")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here")
-    if os.path.isdir(args.model) and not os.path.isfile(os.path.join(args.model, "config.json")):
-        parser.error(f"--model {args.model}: the folder holds no config.json (give a folder that train.py or "
-                     f"save_pretrained wrote, or a Hub id)")
+    source = model_source(args.model)
 
     torch.manual_seed(args.seed)
-    model, tokenizer = load(args.model, args.device, getattr(torch, args.dtype))
+    model, tokenizer = load(source, args.device, getattr(torch, args.dtype))
     config = model.config
     print(f"ResLin {config.attn_type}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, on {args.device}",

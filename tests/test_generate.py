@@ -276,3 +276,35 @@ def test_batched_generate_with_the_repository_tokenizer(tiny_model, reslin):
     for i, prompt in enumerate(prompts):
         alone = model.generate(**tokenizer([prompt], return_tensors="pt"), max_new_tokens=4, do_sample=False)
         assert torch.equal(out[i, -4:], alone[0, -4:])
+
+
+def test_main_command_says_a_model_folder_is_missing(reslin, tmp_path, monkeypatch, capsys):
+    """generate.py --model with a missing folder: one line and a failing exit code, at once,
+    rather than a traceback or the Hub client's retries; "owner/name" still goes to the Hub."""
+    import generate
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    for name, message in ((str(tmp_path / "missing_folder"), f"--model {tmp_path / 'missing_folder'}: no such folder"),
+                          ("missing_folder", f"no such folder (looked for {tmp_path / 'missing_folder'})"),
+                          ("out/rdn", f"no such folder (looked for {tmp_path / 'out' / 'rdn'})"),
+                          ("./rdn", "no such folder")):
+        with pytest.raises(SystemExit):
+            generate.model_source(name)
+        assert message in capsys.readouterr().err
+    assert generate.model_source("some-org/some-model") == "some-org/some-model"
+    with pytest.raises(SystemExit):
+        generate.model_source("out")
+    assert "--model out: the folder holds no config.json" in capsys.readouterr().err
+    result = subprocess.run([sys.executable, str(reslin.repo_root / "generate.py"), "--model", "no_such_folder/", "--device",
+                             "cpu"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1
+    assert result.stderr == f"generate.py: error: --model no_such_folder/: no such folder (looked for " \
+                            f"{tmp_path / 'no_such_folder'})\n"
+    result = subprocess.run([sys.executable, str(reslin.repo_root / "generate.py"), "--model", "no-such-owner/no-such-model",
+                             "--device", "cpu"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1
+    assert result.stderr.startswith("generate.py: error: --model no-such-owner/no-such-model: no such folder here, "
+                                    "and no such model on the Hub: ") and result.stderr.count("\n") == 1
