@@ -19,7 +19,17 @@ message naming the field instead of a shape error deep inside the model.
 
 import math
 
+import transformers
+from packaging import version
 from transformers import PretrainedConfig
+
+# The oldest transformers these files are tested with (CI runs it and the newest, 5.25). Older
+# ones lack what the model uses (transformers.initialization, 5.x weight loading): say so here,
+# the first module any Auto class imports, rather than fail somewhere inside.
+MIN_TRANSFORMERS_VERSION = "5.0.0"
+if version.parse(transformers.__version__) < version.parse(MIN_TRANSFORMERS_VERSION):
+    raise ImportError(f"ResLin needs transformers >= {MIN_TRANSFORMERS_VERSION}, but {transformers.__version__} "
+                      f"is installed: pip install -U 'transformers>={MIN_TRANSFORMERS_VERSION}'")
 
 ATTN_PRESETS = {
     "sgla": {"update_rule": "additive", "step_rule": "gated", "use_residual": False},
@@ -247,7 +257,8 @@ class ResLinConfig(PretrainedConfig):
         """transformers' validation hook (it runs it on save); the model runs it too when it is
         built, since fields may have been assigned one by one since the config was made."""
         self.check_fields()
-        super().validate()
+        if hasattr(super(), "validate"):  # early 5.x releases have no such hook
+            super().validate()
 
     def check_fields(self):
         """Every ResLin field, with a ValueError that names the field and what is allowed."""
