@@ -238,10 +238,10 @@ def check_gates(reslin, monkeypatch, mixer_name, dtype, **overrides):
         with torch.no_grad():
             x *= 60 / layer.a_proj(x).abs().max()  # a_proj x + dt_bias spans about -60 to 60
             layer.fused = True
-            a, b, c = layer.input_projections(x)[3:6]
-            fused = layer.gates(a, b, c)
+            a, b, c = layer.input_projections(x, inference=True)[3:6]
+            fused = layer.gates(a, b, c, inference=True)
             layer.fused = False
-            reference = layer.gates(a, b, c)
+            reference = layer.gates(a, b, c, inference=True)
         assert a.is_contiguous() == (T > 1)
         assert (fused[2] is None) == (reference[2] is None) == (mixer_name == "gdn")
         for got, expected in zip(fused, reference):
@@ -297,7 +297,7 @@ def test_input_projections_in_one_gemm_at_a_step(reslin, monkeypatch, mixer_name
         x = torch.randn(3, T, layer.q_proj.in_features, device=DEVICE)
         hook = layer.k_proj.register_forward_hook(lambda module, args, out: out + 1) if hooked else None
         with torch.no_grad():
-            outputs = layer.input_projections(x, norm)
+            outputs = layer.input_projections(x, norm, inference=True)
             normed = x if norm is None else F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
             expected = [None if projection is None else projection(normed) for projection in projections]
         if hook is not None:
