@@ -32,10 +32,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
 
-# Every module of the model is imported here, each by one name, used here or not (F401): save_pretrained
-# and the remote-code loader copy the files this file imports (`from .x import`), and loaders
-# before transformers 5.10 follow no further. Relative imports for them; plain ones for a folder
-# on sys.path (`import modeling_reslin`).
+# Every module of the model is imported here, those unused by one name (F401): save_pretrained and
+# the remote-code loader copy the files this file imports (`from .x import`), and loaders before
+# transformers 5.10 follow no further. Imported plainly (a folder on sys.path), nothing ships.
 try:
     from .cache_reslin import ResLinCache
     from .configuration_reslin import ResLinConfig
@@ -45,9 +44,7 @@ try:
 except ImportError:
     from cache_reslin import ResLinCache
     from configuration_reslin import ResLinConfig
-    from context_parallel_reslin import context_parallel_forward  # noqa: F401
     from kernels_reslin import reslin_attention, reslin_decode_step
-    from kernels_reslin_torch import chunk_reslin  # noqa: F401
 try:
     try:
         from .kernels_reslin_triton import chunk_attention  # noqa: F401
@@ -56,29 +53,15 @@ try:
         from .kernels_reslin_triton_decode import _decode_step_kernel  # noqa: F401
         from .kernels_reslin_triton_forward import chunk_forward  # noqa: F401
         from .kernels_reslin_triton_launch import _Launcher  # noqa: F401
-        from .kernels_reslin_triton_layers import gates as fused_gates
-        from .kernels_reslin_triton_layers import rms_norm as fused_rms_norm
-        from .kernels_reslin_triton_layers import short_convolution as fused_short_convolution
-        from .kernels_reslin_triton_layers import swiglu as fused_swiglu
+        from .kernels_reslin_triton_layers import gates as fused_gates, rms_norm as fused_rms_norm
+        from .kernels_reslin_triton_layers import short_convolution as fused_short_convolution, swiglu as fused_swiglu
         from .kernels_reslin_triton_output import _chunk_output_kernel  # noqa: F401
         from .kernels_reslin_triton_state import _chunk_state_kernel  # noqa: F401
         from .kernels_reslin_triton_tuning import CHUNK_SIZE  # noqa: F401
         from .kernels_reslin_triton_wy import _chunk_wy_kernel  # noqa: F401
     except ImportError:
-        from kernels_reslin_triton import chunk_attention  # noqa: F401
-        from kernels_reslin_triton_backward import chunk_backward  # noqa: F401
-        from kernels_reslin_triton_common import TRITON_DTYPES  # noqa: F401
-        from kernels_reslin_triton_decode import _decode_step_kernel  # noqa: F401
-        from kernels_reslin_triton_forward import chunk_forward  # noqa: F401
-        from kernels_reslin_triton_launch import _Launcher  # noqa: F401
-        from kernels_reslin_triton_layers import gates as fused_gates
-        from kernels_reslin_triton_layers import rms_norm as fused_rms_norm
-        from kernels_reslin_triton_layers import short_convolution as fused_short_convolution
-        from kernels_reslin_triton_layers import swiglu as fused_swiglu
-        from kernels_reslin_triton_output import _chunk_output_kernel  # noqa: F401
-        from kernels_reslin_triton_state import _chunk_state_kernel  # noqa: F401
-        from kernels_reslin_triton_tuning import CHUNK_SIZE  # noqa: F401
-        from kernels_reslin_triton_wy import _chunk_wy_kernel  # noqa: F401
+        from kernels_reslin_triton_layers import gates as fused_gates, rms_norm as fused_rms_norm
+        from kernels_reslin_triton_layers import short_convolution as fused_short_convolution, swiglu as fused_swiglu
 except ImportError:  # no Triton: the torch code below serves everywhere
     fused_rms_norm = fused_short_convolution = fused_swiglu = fused_gates = None
 
