@@ -25,10 +25,10 @@ On several GPUs of one machine (section 6), with DDP or FSDP2:
    The schedule follows progress = the larger of step / --max-steps and elapsed / --time-budget;
    training ends when progress reaches 1. With --max-steps alone a run is a pure function of its
    arguments (bit for bit on a CPU, resumed or not).
-4. Validation every --eval-interval steps on the first --eval-tokens validation tokens, and at the
-   end on all of them: loss in nats per predicted token, and bits per byte = total nats / ln 2 /
-   the UTF-8 bytes of the predicted tokens (byte-level BPE tokens are byte strings, so this is
-   exact and comparable across tokenizers).
+4. Validation every --eval-interval steps and at the end, on the first --eval-tokens validation
+   tokens (0: all of them): loss in nats per predicted token, and bits per byte = total nats /
+   ln 2 / the UTF-8 bytes of the predicted tokens (byte-level BPE tokens are byte strings, so this
+   is exact and comparable across tokenizers).
 5. Output, in --out-dir: checkpoint.pt every --save-interval steps and at the end (written to a
    temporary file, then renamed); at the end a folder that loads with
    AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True) and AutoTokenizer: weights,
@@ -96,38 +96,42 @@ def fail(message):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # The module docstring tells the whole story; --help gives the flags.
+    parser = argparse.ArgumentParser(
+        description="Pretrain a ResLin model on a local text corpus (by default this Python's standard library "
+                    "source). The top of train.py describes the data, schedule, outputs and multi-GPU runs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     data = parser.add_argument_group("data")
     data.add_argument("--corpus", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
-                      help="folder of text files (default: this interpreter's standard library; folders named "
-                           "site-packages are skipped, since they hold installed packages)")
-    data.add_argument("--pattern", default="*.py", help="file name pattern, searched recursively (default: *.py)")
+                      help="folder of text files (folders named site-packages are skipped, since they hold "
+                           "installed packages)")
+    data.add_argument("--pattern", default="*.py", help="file name pattern, searched recursively")
     data.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out (at least one)")
     data.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size, special tokens included")
     data.add_argument("--data-dir", type=Path, default=Path("out/data"), help="cache of tokenizers and token ids")
 
     model = parser.add_argument_group("model")
-    model.add_argument("--attn-type", default="rdn", choices=tuple(ATTN_PRESETS))
-    model.add_argument("--hidden-size", type=int, default=384)
-    model.add_argument("--layers", type=int, default=8)
-    model.add_argument("--heads", type=int, default=6)
-    model.add_argument("--head-dim", type=int, default=64)
-    model.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the config's)")
-    model.add_argument("--tie-word-embeddings", action="store_true")
-    model.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS)
+    model.add_argument("--attn-type", default="rdn", choices=tuple(ATTN_PRESETS), help="the token mixer")
+    model.add_argument("--hidden-size", type=int, default=384, help="model width")
+    model.add_argument("--layers", type=int, default=8, help="number of blocks")
+    model.add_argument("--heads", type=int, default=6, help="heads per layer")
+    model.add_argument("--head-dim", type=int, default=64, help="query/key head size")
+    model.add_argument("--intermediate-size", type=int, default=None, help="MLP width (None: the config's default)")
+    model.add_argument("--tie-word-embeddings", action="store_true", help="share lm_head with the input embeddings")
+    model.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS, help="the config's kernel_backend")
 
     training = parser.add_argument_group("training")
     training.add_argument("--seq-len", type=int, default=1024, help="tokens per row")
     training.add_argument("--batch-size", type=int, default=32, help="rows per step")
     training.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     training.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak")
-    training.add_argument("--warmup-steps", type=int, default=100)
-    training.add_argument("--weight-decay", type=float, default=0.1)
-    training.add_argument("--beta2", type=float, default=0.95)
+    training.add_argument("--warmup-steps", type=int, default=100, help="steps of linear learning-rate warm-up")
+    training.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on matrices only")
+    training.add_argument("--beta2", type=float, default=0.95, help="AdamW's second-moment decay")
     training.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
-    training.add_argument("--max-steps", type=int, default=None)
+    training.add_argument("--max-steps", type=int, default=None, help="optimizer steps of the run")
     training.add_argument("--time-budget", type=float, default=None, help="minutes of training, evaluations included")
-    training.add_argument("--seed", type=int, default=0)
+    training.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the batch order")
     training.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     training.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                           help="run the model through torch.compile (inductor when given alone): one fused kernel "
@@ -138,11 +142,11 @@ def parse_args(argv=None):
                           help="auto: bf16 autocast on CUDA, fp32 elsewhere")
 
     output = parser.add_argument_group("evaluation and output")
-    output.add_argument("--eval-interval", type=int, default=250)
+    output.add_argument("--eval-interval", type=int, default=250, help="steps between validations")
     output.add_argument("--eval-tokens", type=int, default=262144,
-                        help="validation tokens of the periodic evaluations (0: all); the final one uses all")
+                        help="validation tokens of every validation, the final one included (0: all)")
     output.add_argument("--save-interval", type=int, default=1000, help="steps between checkpoints")
-    output.add_argument("--out-dir", type=Path, default=Path("out/reslin"))
+    output.add_argument("--out-dir", type=Path, default=Path("out/reslin"), help="checkpoint and model folder")
     output.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its checkpoint")
 
     args = parser.parse_args(argv)
@@ -562,7 +566,7 @@ A document is `<bos>` text `<eos>`; the tokenizer puts `<bos>` before what it en
 
 ## Results
 
-On all {final['tokens']:,} predicted validation tokens ({final['bytes']:,} bytes):
+On {final['scope']} ({final['tokens']:,} predicted tokens, {final['bytes']:,} bytes):
 validation loss **{final['loss']:.4f}** nats per token, **{final['bits_per_byte']:.4f}** bits per byte.
 Loss and validation curves are in `metrics.json`.
 
@@ -585,8 +589,21 @@ def save_model_folder(out_dir, model_class, config, model_state, tokenizer, args
     # tensors, which save_pretrained (it drops names of tensors that share memory) would all keep.
     own_names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     model.save_pretrained(out_dir, state_dict={name: value for name, value in model_state.items() if name in own_names})
-    tokenizer.save_pretrained(out_dir)
+    save_tokenizer(tokenizer, out_dir)
     (out_dir / "README.md").write_text(model_card(args, config, metrics))
+
+
+def save_tokenizer(tokenizer, folder):
+    """The tokenizer files of a model folder, as the repository's own: padding on the left, as batched
+    generation needs, and tokenizer_config.json naming PreTrainedTokenizerFast, which transformers 4.57
+    and 5 both have (5 writes its own name, TokenizersBackend, which 4.57 lacks). With a class named
+    there, 4.57's AutoTokenizer reads no config.json, whose classes are remote code."""
+    tokenizer.save_pretrained(folder)
+    path = folder / "tokenizer_config.json"
+    # (Setting tokenizer.padding_side would not do: save_pretrained writes the arguments it was loaded with.)
+    tokenizer_config = {**json.loads(path.read_text()), "tokenizer_class": "PreTrainedTokenizerFast",
+                        "padding_side": "left"}
+    path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -650,6 +667,12 @@ def train(args, argv, accelerator):
                                  num_processes)
     validation_subset = validation_batches(streams["validation"], args.seq_len, args.batch_size, args.eval_tokens,
                                            device, rank, num_processes)
+    whole_split = not args.eval_tokens or args.eval_tokens >= len(streams["validation"])
+    validation_scope = ("the whole validation split" if whole_split
+                        else f"the first {args.eval_tokens:,} tokens of the validation split")
+    if args.max_steps and args.warmup_steps > args.max_steps:
+        print(f"note: --warmup-steps {args.warmup_steps} is longer than the run (--max-steps {args.max_steps}): the "
+              f"learning rate stays below {args.max_steps / args.warmup_steps:.0%} of --lr {args.lr}")
 
     if args.gradient_checkpointing:
         # transformers 5.24 deprecates gradient_checkpointing_enable for activation_checkpointing_enable:
@@ -756,8 +779,7 @@ def train(args, argv, accelerator):
         seconds = elapsed()  # evaluations count against the budget
     progress_bar.close()
 
-    final = validate(validation_batches(streams["validation"], args.seq_len, args.batch_size, 0, device, rank,
-                                        num_processes), "final validation (all tokens)")
+    final = {**validate(validation_subset, f"final validation ({validation_scope})"), "scope": validation_scope}
     metrics["final_validation"] = final
     model_state = checkpoint_now()
     if accelerator.is_main_process:

@@ -7,6 +7,7 @@ checkpoint reproduces it bit for bit.
 
 import json
 import math
+import re
 import subprocess
 import sys
 import sysconfig
@@ -153,6 +154,8 @@ def test_training_lowers_the_loss(trained_run):
     assert first["step"] == 0 and final["step"] == 30
     assert final["loss"] < 0.7 * first["loss"]
     assert [entry["step"] for entry in metrics["validation"]] == [0, 10, 20]  # the last one is the final one
+    # Every validation reads the same first --eval-tokens 256 tokens, the final one included.
+    assert final["tokens"] == first["tokens"] < 256 and final["scope"] == "the first 256 tokens of the validation split"
 
 
 def test_output_folder_loads_and_generates(trained_run):
@@ -182,8 +185,11 @@ def test_output_folder_loads_and_generates(trained_run):
     assert saved["final_validation"] == final and saved["step"] == 30
     card = (out_dir / "README.md").read_text()
     for fact in (f"{final['loss']:.4f}", f"{final['bits_per_byte']:.4f}", "7,680 tokens seen", metrics["commands"][0],
-                 "library_name: transformers"):
+                 "library_name: transformers", f"On the first 256 tokens of the validation split ({final['tokens']} "):
         assert fact in card
+    # The tokenizer as the repository's: a class that transformers 4.57 knows too, padding on the left.
+    tokenizer_config = json.loads((out_dir / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast" and tokenizer.padding_side == "left"
 
 
 def test_main_job_streams_a_completion_of_a_trained_folder(trained_run):
@@ -280,6 +286,25 @@ def test_time_budget_ends_the_run(corpus, data_dir, tmp_path):
     metrics = train.main(tiny_run_args(corpus, data_dir, tmp_path / "out", "--time-budget", "1e-4"))
     assert metrics["step"] >= 1 and "final_validation" in metrics
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_warm_up_longer_than_the_run_is_noted(corpus, data_dir, tmp_path, capsys):
+    train.main(tiny_run_args(corpus, data_dir, tmp_path / "out", "--max-steps", "2"))  # --warmup-steps 5
+    assert "note: --warmup-steps 5 is longer than the run (--max-steps 2): the learning rate stays below 40% of " \
+           "--lr 0.003" in capsys.readouterr().out
+
+
+def test_help_shows_each_default_and_no_preamble(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = capsys.readouterr().out
+    description = text[text.index("\n\n") + 2:text.index("\noptions:")]
+    assert description.count("\n") <= 4  # a sentence or two, wrapped
+    assert text.count("(default:") == len(re.findall(r"^  --", text, re.MULTILINE))  # one per flag
+    for flag, default in (("--warmup-steps", "100"), ("--eval-tokens", "262144"), ("--lr", "0.001"),
+                          ("--out-dir", "out/reslin"), ("--attn-type", "rdn"), ("--resume", "False")):
+        entry = text[text.index(f"  {flag}"):]
+        assert f"(default: {default})" in " ".join(entry[:entry.index("(default:") + 40].split()), flag
 
 
 def error_of(argv, capsys):
