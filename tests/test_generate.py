@@ -239,25 +239,26 @@ def test_generate_into_a_user_built_cache(tiny_model, reslin):
 
 def test_tokenizer_loads_without_remote_code_and_pads_left(repo_copy):
     """tokenizer_config.json names a stock class (transformers 4.57 then never reads config.json)
-    and pads on the left, as batched generation needs. transformers 5 reads config.json before the
-    tokenizer config whatever it says, and asks whether to run the config's remote code: with
-    trust_remote_code=False it asks nothing and falls back to a plain config, with stdin closed it
-    falls back without waiting."""
+    and pads on the left, as batched generation needs. transformers 5's AutoTokenizer reads
+    config.json first whatever the tokenizer config says, and asks whether to run the config's
+    remote code: with trust_remote_code=False it asks nothing and falls back to a plain config,
+    with stdin closed it falls back without waiting. PreTrainedTokenizerFast reads no config."""
     script = """
 import sys
-from transformers import AutoTokenizer
-tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], **eval(sys.argv[2]))
+import transformers
+tokenizer = getattr(transformers, sys.argv[2]).from_pretrained(sys.argv[1], **eval(sys.argv[3]))
 batch = tokenizer(["a", "def f(x): return x"], padding=True)
 print(tokenizer.padding_side, batch.input_ids[0][:2], batch.attention_mask[0][:2])
 """
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    for kwargs in ("{}", "{'trust_remote_code': False}"):
-        result = subprocess.run([sys.executable, "-c", script, str(repo_copy), kwargs], stdin=subprocess.DEVNULL,
-                                capture_output=True, text=True, timeout=120, env=env)
+    for loader, kwargs in (("AutoTokenizer", "{}"), ("AutoTokenizer", "{'trust_remote_code': False}"),
+                           ("PreTrainedTokenizerFast", "{}")):
+        result = subprocess.run([sys.executable, "-c", script, str(repo_copy), loader, kwargs],
+                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, env=env)
         assert result.returncode == 0, result.stderr
         # (After the prompt's text, on its line, when transformers asks.)
         assert result.stdout.endswith("left [0, 0] [0, 0]\n"), result.stdout
-        if kwargs != "{}":
+        if kwargs != "{}" or loader == "PreTrainedTokenizerFast":
             assert "Do you wish to run the custom code" not in result.stdout + result.stderr
 
 
