@@ -260,7 +260,7 @@ def test_compiled_training_gives_the_eager_losses(tmp_path, capsys, monkeypatch)
     import bench_compile
 
     # The interpreter's time grows with the chunks the kernels run (a chunk: up to 64 tokens of one
-    # sequence): short files keep the final validation (the whole held-out file) to one batch, and
+    # sequence): --eval-tokens 64 keeps every validation, the final one included, to one batch, and
     # 2 rows a batch still give the kernels sequences (cu_seqlens) to keep apart.
     corpus = tmp_path / "corpus"
     corpus.mkdir()
