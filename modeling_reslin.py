@@ -971,11 +971,14 @@ class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
         model_inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
         # generate trims a continued prompt to the tokens the cache has not seen only when some layer
         # is not linear (5.24), or only for a cache passed as `past_key_values` (5.17): trim here in every
-        # case, from the mask that covers all tokens.
+        # case, from the mask, which covers all tokens, or else from the ids. A prompt given as
+        # embeddings is all new; the ids generated after it cover fewer tokens than the cache has seen,
+        # of which only the last is new.
         cache = resolve_cache_keyword(model_inputs.get("cache"), model_inputs.get("past_key_values"))
         attention_mask = model_inputs.get("attention_mask")
-        if cache is not None and attention_mask is not None:
-            new_tokens = attention_mask.shape[1] - cache.get_seq_length()
+        if cache is not None and model_inputs.get("inputs_embeds") is None:
+            total_tokens = (attention_mask if attention_mask is not None else input_ids).shape[1]
+            new_tokens = max(total_tokens - cache.get_seq_length(), 1)
             for name in ("input_ids", "position_ids"):
                 value = model_inputs.get(name)
                 if value is not None and value.shape[-1] > new_tokens:
