@@ -55,6 +55,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
+# Another Triton release (tools/carry_triton.sh) goes first on the path, ahead of the image's.
+if [ -n "${TRITON_SITE:-}" ]; then
+  export PYTHONPATH=$TRITON_SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee "$logs/versions.log"
 
 job() {  # job NAME LIMIT COMMAND...
   local name=$1 limit=$2
