@@ -6,7 +6,6 @@ run compiled on a GPU; test_gpu.py adds bf16 at real sizes there.
 """
 
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -105,10 +104,11 @@ def test_chunked_forward_matches_reference(name, update, residual, kaczmarz, cas
     assert_forward_matches_reference(x, update, residual, cu_seqlens)
 
 
-def kernels_modules():
-    """Every import of kernels_reslin_triton (plain, and the remote-code package's): the custom op
-    runs the first one's code."""
-    return [m for name, m in sys.modules.items() if name.rpartition(".")[2] == "kernels_reslin_triton"]
+def kernels_modules(role=None):
+    """Every import of kernels_reslin_triton, or of kernels_reslin_triton_<role> (plain, and the
+    remote-code package's): the custom op runs the first one's code."""
+    module_name = "kernels_reslin_triton" + ("" if role is None else f"_{role}")
+    return [m for name, m in sys.modules.items() if name.rpartition(".")[2] == module_name]
 
 
 @pytest.mark.parametrize("case,decay", [(CHUNK_CASES[0], 1), (CHUNK_CASES[1], 1), ((1, 200, 1, 2, 16, 16, None), 8)],
@@ -126,7 +126,7 @@ def test_chunked_forward_in_chunks_of_128_matches_reference(name, update, residu
     resolves ~1.5e-5, and e^(G_last - G) near the chunk's end carries that (2.7e-5 here; 1.1e-6 in
     chunks of 64, whose G falls half as far)."""
     sizes = []
-    for module in kernels_modules():
+    for module in kernels_modules("forward"):
         monkeypatch.setattr(module, "forward_chunk_size", lambda *args: sizes.append(128) or 128)
     x, cu_seqlens = case_inputs(case, residual, kaczmarz)
     x["g"] = x["g"] * decay
@@ -142,14 +142,15 @@ def test_additive_forward_in_chunks_of_128_each_way_matches_reference(name, upda
     from 32 sequence-heads), and segments side by side, joined (forced at small sizes: 330 tokens,
     3 chunks of 128, one segment each). Relative error <= 1e-5 in fp32."""
     split = []
-    for module in kernels_modules():
-        monkeypatch.setattr(module, "forward_chunk_size", lambda *args: 128)
-        monkeypatch.setattr(module._ChunkRun, "scans_states", lambda run: False)
-        monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: False)
+    for module in kernels_modules("tuning"):
         if path == "segments":
             monkeypatch.setattr(module, "MIN_SEGMENTS", 2)
             monkeypatch.setattr(module, "PARALLEL_PROGRAMS", 16)  # 4 programs run the state kernel here
             monkeypatch.setattr(module, "MIN_SEGMENT_CHUNKS", 1)
+    for module in kernels_modules("forward"):
+        monkeypatch.setattr(module, "forward_chunk_size", lambda *args: 128)
+        monkeypatch.setattr(module, "scans_states", lambda delta, sequence_heads: False)
+        monkeypatch.setattr(module, "fuse_residual_passes", lambda delta, sequence_heads, segments: False)
         monkeypatch.setattr(module._ChunkRun, "advance_in_segments",
                             lambda run, initial, segments, *writes, original=module._ChunkRun.advance_in_segments:
                             split.append(segments) or original(run, initial, segments, *writes))
@@ -162,7 +163,7 @@ def test_additive_forward_in_chunks_of_128_each_way_matches_reference(name, upda
 def test_forward_chunk_size_is_long_for_sgla_below_64_and_rla_below_32_sequence_heads_only(name, update, residual,
                                                                                          kaczmarz):
     expected = {"sgla": [128, 128, 128, 128, 64, 64], "rla": [128, 128, 64, 64, 64, 64]}
-    for module in kernels_modules():
+    for module in kernels_modules("tuning"):
         sizes = [module.forward_chunk_size(update, residual, sequences, heads)
                  for sequences, heads in ((1, 16), (1, 31), (2, 16), (2, 31), (4, 16), (1, 64))]
         assert sizes == expected.get(name, [64] * 6)
@@ -173,10 +174,10 @@ def test_only_a_forward_without_gradients_takes_forward_chunk_size(name, update,
     """A forward that no backward will follow runs in `forward_chunk_size`'s chunks; a
     differentiable call runs its forward in the backward's, CHUNK_SIZE."""
     sizes = []
-    for module in kernels_modules():
+    for module in kernels_modules("forward"):
         monkeypatch.setattr(module, "forward_chunk_size", lambda *args: 128)
         monkeypatch.setattr(module._ChunkRun, "__init__", lambda run, *args, original=module._ChunkRun.__init__,
-                            **kwargs: sizes.append(args[12]) or original(run, *args, **kwargs))
+                            **kwargs: sizes.append(args[10]) or original(run, *args, **kwargs))
     x = on_device(make_inputs(1, 3, 1, 2, 16, 16, residual, kaczmarz=kaczmarz))
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "gamma")]
     with torch.no_grad():
@@ -278,7 +279,7 @@ def test_backward_with_half_precision_key_tiles_matches_reference(name, update, 
     rule without R takes key tiles of 128 there, which do not fit fp32's shared memory on the
     GPU), run here in fp32 for the rules without R: head sizes 80 (one tile, masked columns) and
     256 (two tiles). Relative error <= 1e-5."""
-    for module in kernels_modules():
+    for module in kernels_modules("backward"):
         monkeypatch.setattr(module, "grad_keys_launches", lambda delta, residual, BV_full, fp32,
                             original=module.grad_keys_launches: original(delta, residual, BV_full, False))
     x, cu_seqlens = case_inputs(case, residual, kaczmarz)
@@ -293,9 +294,10 @@ def test_backward_keeps_the_forwards_clip_decisions(name, update, residual, kacz
     within the clip and +-inf (z's sign) beyond it, in fp32."""
     B, H, HV, D, clip = 4, 2, 4, 16, 0.5
     x = on_device(make_inputs(B, 1, H, HV, D, D, residual, kaczmarz))
-    module = kernels_modules()[0]
-    run = module._ChunkRun(x["q"], x["k"], x["v"], x["g"], x["beta"], x["gamma"], x["gamma"], update, clip, x["S0"],
-                           x["R0"], None, module.CHUNK_SIZE, for_backward=True)
+    module = kernels_modules("forward")[0]
+    run = module._ChunkRun(x["q"], x["k"], x["v"], x["g"], x["beta"], x["gamma"], x["gamma"], update, clip, None, 64,
+                           for_backward=True)
+    run.forward_states(x["S0"], x["R0"])
     z = x["v"] - torch.einsum("bhkv,bthk->bthv", x["S0"], x["k"].repeat_interleave(HV // H, dim=2))
     clipped = z.abs() > clip
     assert 0 < clipped.sum() < clipped.numel()
@@ -334,12 +336,12 @@ def test_delta_rule_backward_takes_the_forwards_inverse(name, update, residual, 
 @pytest.mark.parametrize("case", GRAD_CASES[:2] + [(1, 70, 1, 3, 16, 16, None)], ids=["batch", "varlen", "3_heads"])
 def test_residual_additive_states_in_one_pass_or_two_match_reference(case, one_pass, monkeypatch):
     """RLA's S and R advance in one kernel over few (sequence, head) pairs, in two passes and the
-    writes kernel between them over many (`_ChunkRun.fuse_residual_passes`): each way forced here,
+    writes kernel between them over many (`fuse_residual_passes`): each way forced here,
     outputs, final states and every gradient against the reference, relative error <= 1e-5 in fp32.
     Three value heads: the fused pass's factors are formed for a power of two of heads, masked."""
     fused = []
-    for module in kernels_modules():
-        monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: one_pass)
+    for module in kernels_modules("forward"):
+        monkeypatch.setattr(module, "fuse_residual_passes", lambda delta, sequence_heads, segments: one_pass)
         monkeypatch.setattr(module._ChunkRun, "advance_both",
                             lambda run, *args, original=module._ChunkRun.advance_both:
                             fused.append(True) or original(run, *args))
@@ -365,7 +367,7 @@ class LaunchRecorder:
 def keep_states_of_short_rows(monkeypatch, sequence_heads):
     """`kept_segments` as it is, but for rows of a few chunks: segments of one chunk or more (16 or
     more on a GPU), as many as bring the (row, head) pairs to `sequence_heads`."""
-    for module in kernels_modules():
+    for module in kernels_modules("tuning"):
         monkeypatch.setattr(module, "MIN_KEPT_SEGMENT_CHUNKS", 1)
         monkeypatch.setattr(module, "KEPT_SEQUENCE_HEADS", sequence_heads)
 
@@ -385,7 +387,7 @@ def test_backward_runs_from_kept_segment_starts(name, update, residual, kaczmarz
     B, T, H, HV = case[:4]
     keep_states_of_short_rows(monkeypatch, sequence_heads=B * HV * segments)
     launches, tables = [], []
-    for module in kernels_modules():
+    for module in kernels_modules("forward"):
         monkeypatch.setattr(module, "_chunk_state_kernel", LaunchRecorder(module._chunk_state_kernel, launches))
         monkeypatch.setattr(module._ChunkRun, "segment_tables",
                             lambda run, *args, original=module._ChunkRun.segment_tables:
@@ -405,13 +407,14 @@ def test_delta_state_passes_from_inverse_or_w_match_reference(name, update, resi
                                                               monkeypatch):
     """The forward's delta-rule state passes form their writes from T^-1, the values and the keys
     from 64 sequence-heads on (32 with one state), no WY kernel running, and read U0 and W below
-    and in the backward's recompute (`_ChunkRun.writes_from_inverse`): each way of the forward
+    and in the backward's recompute (`writes_from_inverse`): each way of the forward
     forced here. Outputs, final states and every gradient against the reference, relative error
     <= 1e-5 in fp32; and that the forward without gradients then scans g in its passes and
     launches no WY kernel, or loads G and launches it once."""
     asked, wy_launches = decays_asked_for(monkeypatch), []
-    for module in kernels_modules():
-        monkeypatch.setattr(module._ChunkRun, "writes_from_inverse", lambda run: from_inverse and not run.for_backward)
+    for module in kernels_modules("forward"):
+        monkeypatch.setattr(module, "writes_from_inverse",
+                            lambda delta, residual, for_backward, BK, sequence_heads: from_inverse and not for_backward)
         monkeypatch.setattr(module, "_chunk_wy_kernel", LaunchRecorder(module._chunk_wy_kernel, wy_launches))
     x, cu_seqlens = case_inputs(case, residual, kaczmarz)
     assert_forward_matches_reference(x, update, residual, cu_seqlens)
@@ -422,10 +425,10 @@ def test_delta_state_passes_from_inverse_or_w_match_reference(name, update, resi
 
 @pytest.mark.parametrize("name,update,residual,kaczmarz", [rule for rule in STEPPED_RULES if rule[1] == "delta"])
 def test_delta_passes_form_writes_from_inverse_from_64_sequence_heads(name, update, residual, kaczmarz, monkeypatch):
-    """Unforced (`_ChunkRun.writes_from_inverse`): the forward without gradients launches the WY
+    """Unforced (`writes_from_inverse`): the forward without gradients launches the WY
     kernel below 64 sequence-heads (below 32 with one state), and none from there on."""
     wy_launches, launched = [], []
-    for module in kernels_modules():
+    for module in kernels_modules("forward"):
         monkeypatch.setattr(module, "_chunk_wy_kernel", LaunchRecorder(module._chunk_wy_kernel, wy_launches))
     for heads in (16, 32, 64):
         x = on_device(make_inputs(1, 3, heads, heads, 16, 16, residual, kaczmarz=kaczmarz))
@@ -441,7 +444,7 @@ def decays_asked_for(monkeypatch):
     """A list that records the `scan` argument of every `_ChunkRun.cumulative_decays` call: whether
     a state pass scans g itself (True) or asks for the stored G (False)."""
     asked = []
-    for module in kernels_modules():
+    for module in kernels_modules("forward"):
         monkeypatch.setattr(module._ChunkRun, "cumulative_decays",
                             lambda run, scan, original=module._ChunkRun.cumulative_decays:
                             asked.append(scan) or original(run, scan))
@@ -455,16 +458,16 @@ def decays_asked_for(monkeypatch):
 def test_additive_state_pass_scanning_or_loading_decays_matches_reference(name, update, residual, kaczmarz, case,
                                                                           decay, scan, monkeypatch):
     """The additive rule's sequential state pass scans g itself from 128 sequence-heads on, and
-    loads the G that the decay kernel stores below (`_ChunkRun.pass_scans_decays`): each way forced
+    loads the G that the decay kernel stores below (`pass_scans_decays`): each way forced
     here, RLA in two passes. Outputs, final states and every gradient against the reference:
     relative error <= 1e-5 in fp32 (the final states of the forward without gradients, in chunks of
     128 here, 5e-5 with 8x the decay, as in test_chunked_forward_in_chunks_of_128_matches_reference);
     and that forward asks for the stored G only when the pass loads it."""
     asked = decays_asked_for(monkeypatch)
-    for module in kernels_modules():
-        monkeypatch.setattr(module._ChunkRun, "pass_scans_decays", lambda run: scan)
-        monkeypatch.setattr(module._ChunkRun, "scans_states", lambda run: False)
-        monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: False)
+    for module in kernels_modules("forward"):
+        monkeypatch.setattr(module, "pass_scans_decays", lambda from_inverse, delta, decays_stored, heads: scan)
+        monkeypatch.setattr(module, "scans_states", lambda delta, sequence_heads: False)
+        monkeypatch.setattr(module, "fuse_residual_passes", lambda delta, sequence_heads, segments: False)
     x, cu_seqlens = case_inputs(case, residual, kaczmarz)
     x["g"] = x["g"] * decay
     assert_forward_matches_reference(x, update, residual, cu_seqlens, states_bound=5e-5 if decay > 1 else 1e-5)
@@ -486,17 +489,14 @@ def test_additive_state_pass_scans_decays_from_128_sequence_heads(name, update, 
 
 
 def test_output_kernel_is_launched_dependent_compiled_after_a_state_pass_only():
-    """PDL (`_ChunkRun.output_launched_dependent`): the residual rules' on CUDA, but not after RLA's
+    """PDL (`output_launched_dependent`): the residual rules' on CUDA, but not after RLA's
     scanned states (below 32 sequence-heads); never in Triton's interpreter, which has no
     `gdc_wait` (its kernels then take the other path, which every test here runs; test_gpu's
     forward runs the dependent one)."""
-    for module in kernels_modules():
-        def run(cuda, residual, delta, sequences, heads):
-            fields = SimpleNamespace(q=SimpleNamespace(is_cuda=cuda), residual=residual, delta=delta,
-                                     sequence_heads=sequences * heads)
-            fields.scans_states = lambda: module._ChunkRun.scans_states(fields)
-            return fields
-        chosen = [module._ChunkRun.output_launched_dependent(run(*case))
+    for module in kernels_modules("tuning"):
+        def dependent(cuda, residual, delta, sequences, heads):
+            return module.output_launched_dependent(cuda, residual, module.scans_states(delta, sequences * heads))
+        chosen = [dependent(*case)
                   for case in ((True, True, False, 1, 16), (True, True, False, 2, 16), (True, True, True, 1, 16),
                                (True, True, False, 8, 16), (True, False, False, 8, 16), (True, False, True, 8, 16),
                                (False, True, True, 8, 16))]
@@ -505,11 +505,10 @@ def test_output_kernel_is_launched_dependent_compiled_after_a_state_pass_only():
 
 def test_keys_queries_side_is_launched_dependent_compiled_for_the_residual_rules_only():
     """PDL of the keys' gradients' queries side (SIDE 1) on S's reverse pass
-    (`_ChunkRun.queries_side_launched_dependent`): compiled, the residual rules' (the others have
-    no queries side of their own); never in the interpreter, whose kernels take the other path."""
-    run = lambda cuda, residual: SimpleNamespace(q=SimpleNamespace(is_cuda=cuda), residual=residual)  # noqa: E731
-    for module in kernels_modules():
-        chosen = [module._ChunkRun.queries_side_launched_dependent(run(*case))
+    (`queries_side_launched_dependent`): compiled, the residual rules' (the others have no queries
+    side of their own); never in the interpreter, whose kernels take the other path."""
+    for module in kernels_modules("tuning"):
+        chosen = [module.queries_side_launched_dependent(*case)
                   for case in ((True, True), (True, False), (False, True))]
         assert chosen == [True, False, False]
 
@@ -523,16 +522,16 @@ def test_additive_states_by_scan_or_sequential_kernel_match_reference(name, upda
                                                                       scan, monkeypatch):
     """The additive rule's state passes run as every chunk's writes at once and a scan over the
     chunks below 32 sequence-heads, the sequential state kernel from there on
-    (`_ChunkRun.scans_states`): each way forced here, RLA in two passes, the scan over 2 chunks at
+    (`scans_states`): each way forced here, RLA in two passes, the scan over 2 chunks at
     a time in the interpreter (so that it carries a state between its steps; compiled, its dot
     takes 16 rows at least, and test_gpu's long sequences carry it). With 8x the log decay over whole
     chunks, e^(L_j - L_i) from a chunk to an earlier one overflows fp32. Outputs, final states and
     every gradient against the reference: relative error <= 1e-5 in fp32."""
     scans = []
-    for module in kernels_modules():
+    for module in kernels_modules("forward"):
         monkeypatch.setattr(module, "SCAN_CHUNKS", 2 if DEVICE == "cpu" else 16)
-        monkeypatch.setattr(module._ChunkRun, "scans_states", lambda run: scan)
-        monkeypatch.setattr(module._ChunkRun, "fuse_residual_passes", lambda run: False)
+        monkeypatch.setattr(module, "scans_states", lambda delta, sequence_heads: scan)
+        monkeypatch.setattr(module, "fuse_residual_passes", lambda delta, sequence_heads, segments: False)
         monkeypatch.setattr(module._ChunkRun, "scan", lambda run, *args, original=module._ChunkRun.scan:
                             scans.append(True) or original(run, *args))
     x, cu_seqlens = case_inputs(case, residual, kaczmarz)
@@ -553,11 +552,12 @@ def test_additive_states_split_into_segments_match_reference(name, update, resid
     states the same way) against the reference:
     relative error <= 1e-5 in fp32 (`outputs_and_gradients`)."""
     split = []
-    for module in kernels_modules():
+    for module in kernels_modules("tuning"):
         monkeypatch.setattr(module, "MIN_SEGMENTS", 2)
         monkeypatch.setattr(module, "PARALLEL_PROGRAMS", programs)  # 4 programs run a sequence's tiles here
         monkeypatch.setattr(module, "MIN_SEGMENT_CHUNKS", 1)
-        monkeypatch.setattr(module._ChunkRun, "scans_states", lambda run: False)
+    for module in kernels_modules("forward"):
+        monkeypatch.setattr(module, "scans_states", lambda delta, sequence_heads: False)
         monkeypatch.setattr(module._ChunkRun, "advance_in_segments",
                             lambda run, initial, segments, *writes, original=module._ChunkRun.advance_in_segments:
                             split.append(segments) or original(run, initial, segments, *writes))
