@@ -31,6 +31,14 @@ if version.parse(transformers.__version__) < version.parse(MIN_TRANSFORMERS_VERS
     raise ImportError(f"ResLin needs transformers >= {MIN_TRANSFORMERS_VERSION}, but {transformers.__version__} "
                       f"is installed: pip install -U 'transformers>={MIN_TRANSFORMERS_VERSION}'")
 
+# What the kernels support is theirs to say: the config checks against the same constants.
+try:
+    from .kernels_reslin import BACKENDS as KERNEL_BACKENDS
+    from .kernels_reslin import MAX_HEAD_DIM, UPDATE_RULES
+except ImportError:  # imported as a plain module, the repository on sys.path
+    from kernels_reslin import BACKENDS as KERNEL_BACKENDS
+    from kernels_reslin import MAX_HEAD_DIM, UPDATE_RULES
+
 ATTN_PRESETS = {
     "sgla": {"update_rule": "additive", "step_rule": "gated", "use_residual": False},
     "gdn": {"update_rule": "delta", "step_rule": "gated", "use_residual": False},
@@ -39,13 +47,9 @@ ATTN_PRESETS = {
     "rdn": {"update_rule": "delta", "step_rule": "gated", "use_residual": True},
     "rkla": {"update_rule": "delta", "step_rule": "kaczmarz", "use_residual": True},
 }
-UPDATE_RULES = ("delta", "additive")
 STEP_RULES = ("gated", "kaczmarz")
 LAYER_TYPES = ("linear_attention", "full_attention")
-KERNEL_BACKENDS = ("auto", "torch", "triton", "recurrent")
 HIDDEN_ACTS = ("swish", "silu")
-# The kernels keep a head's Dk x Dv state in fast memory; 256 is their limit.
-MAX_HEAD_DIM = 256
 # Written into every saved config, so that a folder written by save_pretrained loads through
 # every Auto class with trust_remote_code (save_pretrained itself only records the saved class).
 AUTO_MAP = {

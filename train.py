@@ -796,7 +796,7 @@ def end_process():
     then os._exit(0) once stdout and stderr are flushed. Left to the interpreter's exit, DDP's
     reducer and gloo's threads have aborted finished runs ("terminate called without an active
     exception": the Trainer DDP test one run in three before the group was destroyed here, and the
-    FSDP2 test once in CI after, session 45); os._exit skips that teardown, which has nothing left
+    FSDP2 test once in CI after that); os._exit skips that teardown, which has nothing left
     to do. Not in main: tests/launch_train.py uses the model and the group after it."""
     gc.collect()  # the model first: DDP's reducer holds the group
     state = PartialState()

@@ -48,11 +48,11 @@ fit in it. Each LM part prints its epochs and warns above 2. A longer comparison
 corpus: --corpus FOLDER (any folder of *.py files; torch's own package holds ~46 MB, ~12M tokens)
 with a higher --max-steps.
 
-GPU time, measured. Session 5, one H200: 12 runs at once (--jobs 12) ran the LM steps at 540 ms
+GPU time, measured (2026-11-30), one H200: 12 runs at once (--jobs 12) ran the LM steps at 540 ms
 each (15K tokens/s a run; the shipped config trains alone at ~130 ms a step of 4x the rows) and
 the MQAR steps at ~64 ms; in a 500 s call the 6 LM runs of seed 0 finished (4.4 min each, after
 ~1 min of start-up and compiles) and no MQAR run did: an MQAR run cut short leaves nothing, so a
-call starts runs only while they can still finish (--start-within). Session 6, 2 x H200: --jobs
+call starts runs only while they can still finish (--start-within). On 2 x H200: --jobs
 8 (runs go to the visible GPU running the fewest) with MQAR's step compiled (--mqar-args=--compile:
 9.2 ms a step alone against 19.6 ms eager) finished the other 24 runs, 12 LM and 12 MQAR, in two
 jobs of 346 s and 164 s: the job `bash tools/gpu_run.sh compare` is --jobs 4 per GPU,
