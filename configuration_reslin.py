@@ -31,13 +31,13 @@ if version.parse(transformers.__version__) < version.parse(MIN_TRANSFORMERS_VERS
     raise ImportError(f"ResLin needs transformers >= {MIN_TRANSFORMERS_VERSION}, but {transformers.__version__} "
                       f"is installed: pip install -U 'transformers>={MIN_TRANSFORMERS_VERSION}'")
 
-# What the kernels support is theirs to say: the config checks against the same constants.
+# What the kernels take, checked against the same constants as the kernels' own arguments.
 try:
-    from .kernels_reslin import BACKENDS as KERNEL_BACKENDS
-    from .kernels_reslin import MAX_HEAD_DIM, UPDATE_RULES
+    from .constants_reslin import BACKENDS as KERNEL_BACKENDS
+    from .constants_reslin import MAX_HEAD_DIM, UPDATE_RULES
 except ImportError:  # imported as a plain module, the repository on sys.path
-    from kernels_reslin import BACKENDS as KERNEL_BACKENDS
-    from kernels_reslin import MAX_HEAD_DIM, UPDATE_RULES
+    from constants_reslin import BACKENDS as KERNEL_BACKENDS
+    from constants_reslin import MAX_HEAD_DIM, UPDATE_RULES
 
 ATTN_PRESETS = {
     "sgla": {"update_rule": "additive", "step_rule": "gated", "use_residual": False},

@@ -29,8 +29,10 @@ import torch
 # Every module imports its siblings relatively (`from .x import y`: the remote-code loader follows
 # these and copies the files), else plainly, for a folder on sys.path (`import kernels_reslin`).
 try:
+    from .constants_reslin import BACKENDS, CHUNKED_HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, UPDATE_RULES
     from .kernels_reslin_torch import chunk_reslin, recurrent_reslin, sequence_bounds
 except ImportError:
+    from constants_reslin import BACKENDS, CHUNKED_HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, UPDATE_RULES
     from kernels_reslin_torch import chunk_reslin, recurrent_reslin, sequence_bounds
 try:
     try:
@@ -42,11 +44,6 @@ try:
 except ImportError:  # no Triton installed: the "torch" backend serves everywhere
     triton_chunk_attention = triton_decode_step = None
 
-# The rules, backends and head sizes the kernels take; configuration_reslin checks a config against them.
-UPDATE_RULES = ("delta", "additive")
-BACKENDS = ("auto", "torch", "triton", "recurrent")
-MAX_HEAD_DIM = 256
-CHUNKED_HEAD_DIM_MULTIPLE = 16
 
 State = Tuple[torch.Tensor, Optional[torch.Tensor]]
 

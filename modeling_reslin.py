@@ -38,6 +38,7 @@ from transformers.utils import logging
 try:
     from .cache_reslin import ResLinCache
     from .configuration_reslin import ResLinConfig
+    from .constants_reslin import MAX_HEAD_DIM  # noqa: F401
     from .context_parallel_reslin import context_parallel_forward  # noqa: F401
     from .kernels_reslin import reslin_attention, reslin_decode_step
     from .kernels_reslin_torch import chunk_reslin  # noqa: F401

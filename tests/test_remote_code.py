@@ -7,8 +7,8 @@ import torch
 from transformers import AutoConfig
 
 # Every module: modeling_reslin.py imports each directly, as loaders before transformers 5.10 need.
-REMOTE_FILES = {"configuration_reslin.py", "modeling_reslin.py", "cache_reslin.py", "kernels_reslin.py",
-                "kernels_reslin_torch.py", "context_parallel_reslin.py", "kernels_reslin_triton.py",
+REMOTE_FILES = {"configuration_reslin.py", "constants_reslin.py", "modeling_reslin.py", "cache_reslin.py",
+                "kernels_reslin.py", "kernels_reslin_torch.py", "context_parallel_reslin.py", "kernels_reslin_triton.py",
                 *(f"kernels_reslin_triton_{role}.py" for role in ("backward", "common", "decode", "forward", "launch",
                                                                   "layers", "output", "state", "tuning", "wy"))}
 
