@@ -119,6 +119,8 @@ def parse_args(argv=None):
     model.add_argument("--intermediate-size", type=int, default=None, help="MLP width (None: the config's default)")
     model.add_argument("--tie-word-embeddings", action="store_true", help="share lm_head with the input embeddings")
     model.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS, help="the config's kernel_backend")
+    model.add_argument("--residual-clip", type=float, default=1.0,
+                       help="the residual rules' clip c, r = clip(v - S^T k, -c, c) (the config's residual_clip)")
 
     training = parser.add_argument_group("training")
     training.add_argument("--seq-len", type=int, default=1024, help="tokens per row")
@@ -383,7 +385,7 @@ def build_model(args, vocab_size):
             name_or_path=str(REPO), vocab_size=vocab_size, attn_type=args.attn_type, hidden_size=args.hidden_size,
             num_hidden_layers=args.layers, num_heads=args.heads, head_dim=args.head_dim,
             intermediate_size=args.intermediate_size, tie_word_embeddings=args.tie_word_embeddings,
-            kernel_backend=args.kernel_backend, max_position_embeddings=args.seq_len,
+            kernel_backend=args.kernel_backend, residual_clip=args.residual_clip, max_position_embeddings=args.seq_len,
             pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
     except ValueError as error:
         fail(f"the model flags make no valid ResLinConfig: {error}")

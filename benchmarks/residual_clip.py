@@ -6,9 +6,8 @@
 
 Each run trains with train.py's `main` at the comparison's LM recipe (compare_rules.py: its
 train.py flags, 500 steps of 8 x 1024 tokens, peak lr 1e-3), with the model's `residual_clip` set to
-c ("off": c = 1e9, which no residual reaches; the config takes finite values only). train.py has
-no flag for the config's `residual_clip`, so its `build_model` is wrapped here to set it on the
-fresh model (the run's saved config.json then holds it). Before and after training the script
+c through train.py's --residual-clip ("off": c = 1e9, which no residual reaches; the config takes
+finite values only). Before and after training the script
 measures, on the first --measure-tokens validation tokens in fp32, for every residual layer:
 
 - clipped_fraction: the share of the residual's entries with |v - pred| > c, pred = S_{t-1}^T k_t
@@ -29,7 +28,6 @@ standard deviation over the seeds) and the clip's activity per layer at init and
 """
 
 import argparse
-import contextlib
 import inspect
 import json
 import shlex
@@ -194,26 +192,6 @@ def measure(model, batches):
 # Runs
 
 
-def with_residual_clip(model, clip):
-    """The model with every layer's residual clip (and its config's) set to `clip`."""
-    model.config.residual_clip = clip
-    for module in model.modules():
-        if hasattr(module, "residual_clip"):
-            module.residual_clip = clip
-    return model
-
-
-@contextlib.contextmanager
-def training_with_clip(clip):
-    """train.py has no flag for the config's residual_clip: its build_model, wrapped, sets it."""
-    build_model = train.build_model
-    train.build_model = lambda args, vocab_size: with_residual_clip(build_model(args, vocab_size), clip)
-    try:
-        yield
-    finally:
-        train.build_model = build_model
-
-
 def run_dir(results, rule, clip, seed):
     return results / f"{rule}-clip{clip_label(clip)}-seed{seed}"
 
@@ -234,14 +212,14 @@ def run_one(train_args, rule, clip, seed, results, measure_tokens):
     if "end" in record:
         print(f"residual_clip: {folder.name} finished already", flush=True)
         return record
-    argv = [*train_args, "--attn-type", rule, "--seed", str(seed), "--out-dir", str(folder),
-            "--data-dir", str(results / "data")]
+    argv = [*train_args, "--attn-type", rule, "--residual-clip", str(clip), "--seed", str(seed),
+            "--out-dir", str(folder), "--data-dir", str(results / "data")]
     args = train.parse_args(argv)
     tokenizer, streams, _ = train.prepare_data(args)
     batches = measurement_batches(args, streams["validation"], measure_tokens)
     if "init" not in record:
         # train.build_model seeds itself: this is the run's own initial model.
-        model = with_residual_clip(train.build_model(args, len(tokenizer)), clip).to(args.device)
+        model = train.build_model(args, len(tokenizer)).to(args.device)
         record = {"rule": rule, "seed": seed, "clip": clip, "train_argv": argv, "measure_tokens": measure_tokens,
                   "init": measure(model, batches)}
         del model
@@ -249,8 +227,7 @@ def run_one(train_args, rule, clip, seed, results, measure_tokens):
         train.write_json(record_path, record)
     if compare_rules.finished_lm_run(folder) is None:
         resume = ["--resume"] if (folder / train.CHECKPOINT).exists() else []
-        with training_with_clip(clip):
-            train.main(argv + resume)
+        train.main(argv + resume)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True, dtype=torch.float32)
