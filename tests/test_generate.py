@@ -125,7 +125,7 @@ def test_continue_from_returned_cache(tiny_model, make_left_padded, keyword):
 
 @torch.no_grad()
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_continue_from_a_returned_cache(tiny_model, mixer, with_mask):
+def test_continued_logits_equal_fresh_ones(tiny_model, mixer, with_mask):
     """generate(sequences, cache=...) feeds only the tokens the cache has not seen: the same logits
     as generating from the whole sequence afresh (compared as logits: a greedy token can hide a
     wrong state behind a wide margin, or flip on a near-tie). No pad token: without a mask,
