@@ -1,0 +1,292 @@
+"""The projections of a generation step as matrix-vector products, each fused with what the
+unfused step runs around it: the RMS norm before it, SwiGLU or the residual add after it.
+
+At a generation step each row is one token (M = the batch, mostly 1 to 16), so every nn.Linear
+is a matrix-vector product bound by reading its weight, and each norm, SwiGLU or residual add
+beside it is a launch of its own, a few microseconds each inside a CUDA graph where a 400M
+model's weights take ~7 us a layer to read. Each entry point here is one launch:
+
+    rms_norm_linear(x, norm_weight, eps, weight)            rms_norm(x) @ weight.T
+    rms_norm_swiglu(x, norm_weight, eps, gate_weight, up_weight)
+                                                            silu(xn @ gate_weight.T) * (xn @ up_weight.T)
+    gated_rms_norm_linear(o, gate, norm_weight, eps, head_dim, weight, residual)
+                                                            residual + gated_head_norm(o, gate) @ weight.T
+    linear_residual(x, weight, residual)                    residual + x @ weight.T
+
+They round where the unfused path rounds (modeling_reslin with kernels_reslin_triton_layers), so
+that a fused step stays within the unfused one's own rounding: the normed input in x's dtype (the
+norm computed in fp32, its weight applied in fp32, then cast, as `rms_norm` stores it), the
+product accumulated in fp32 and cast to x's dtype (as F.linear returns it), SwiGLU as
+`kernels_reslin_triton_layers.swiglu` forms it from those two cast products (silu(gate) * up in
+fp32, cast once), the residual added to the cast product in fp32 and cast once (a tensor add of
+two tensors of x's dtype). Forward only: the model calls them where autograd is off.
+"""
+
+import torch
+
+try:
+    from .kernels_reslin_triton_launch import _cdiv, _Launcher, _next_power_of_2, _on_inputs_device, tl, triton
+    from .kernels_reslin_triton_layers import token_rows
+except ImportError:
+    from kernels_reslin_triton_launch import _cdiv, _Launcher, _next_power_of_2, _on_inputs_device, tl, triton
+    from kernels_reslin_triton_layers import token_rows
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Programs that fill an H200 (132 SMs) twice over: each program keeps its weight tile's loads in
+# flight, and a product this small is done in one or two rounds of loads, so the GPU's bandwidth
+# is reached only with many SMs loading at once, each from two programs.
+PROGRAMS_TO_FILL = 256
+ONE_ROW_TILE = 4096  # weight elements a program loads at once, one row of x (the broadcast path)
+MAX_BLOCK_K = 1024
+DOT_BLOCK_M = 16  # the smallest tl.dot tile: rows 2 to 16 are one padded tile
+DOT_BLOCK_K = 128
+DOT_STAGES = 3
+
+
+@_Launcher
+@triton.jit
+def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, residual_ptr, y_ptr,
+                 M, N, K, K_SPAN, x_stride, gate_stride, residual_stride, eps,
+                 NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
+                 GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y [M, N] = epilogue(normed(x) @ weight.T) for the rows of a BLOCK_M tile and the outputs of
+    a BLOCK_N tile, the weight's rows streamed over K in BLOCK_K chunks.
+
+    NORM: "none"; "row", the RMS norm over the whole row (a first pass over x sums the squares);
+    "gated_heads", the RMS norm of each group of GROUP channels (a head) times silu(gate), formed in
+    each chunk, which holds whole heads. K is walked as K_SPAN padded positions, GROUP_BLOCK (a
+    power of two) a group, of which the first GROUP are channels: a head of 48 channels takes 64
+    lanes. Without groups GROUP == GROUP_BLOCK and a position is a channel. SWIGLU: silu(x @
+    weight.T) * (x @ up_weight.T). RESIDUAL: residual + the product.
+
+    BLOCK_M == 1 (one token) multiplies the weight tile by the broadcast x row and sums along K:
+    every lane loads weight straight into registers, and nothing is padded. From two rows on, a
+    tl.dot of a 16-row tile: a broadcast product of BLOCK_M rows would hold BLOCK_M weight-sized
+    fp32 tiles in registers (spilling from 4 rows on), where the tensor cores take 16 rows at the
+    cost of one, and Triton's software pipeline keeps the next chunks' weight loads in flight in
+    shared memory."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ok = outs < N
+    positions = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
+    weight_rows = weight_ptr + outs.to(tl.int64)[:, None] * K
+
+    if NORM == "row":
+        squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            cols = start + positions
+            x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+            x = x.to(tl.float32)
+            squares += x * x
+        row_rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps)
+
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        up_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, K_SPAN, BLOCK_K):
+        padded = start + positions
+        lanes = padded % GROUP_BLOCK
+        if GROUP == GROUP_BLOCK:
+            cols = padded
+            col_ok = padded < K_SPAN
+        else:
+            cols = (padded // GROUP_BLOCK) * GROUP + lanes
+            col_ok = (lanes < GROUP) & (padded < K_SPAN)
+        x_ok = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=x_ok, other=0.0)
+        if NORM == "row":
+            norm_weight = tl.load(norm_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * row_rstd[:, None] * norm_weight[None, :]).to(x_ptr.dtype.element_ty)
+        elif NORM == "gated_heads":
+            x = x.to(tl.float32)
+            squares = tl.reshape(x * x, [BLOCK_M, BLOCK_K // GROUP_BLOCK, GROUP_BLOCK])
+            head_rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=2) / GROUP + eps)
+            rstd = tl.reshape(tl.broadcast_to(head_rstd[:, :, None], [BLOCK_M, BLOCK_K // GROUP_BLOCK, GROUP_BLOCK]),
+                              [BLOCK_M, BLOCK_K])
+            norm_weight = tl.load(norm_weight_ptr + lanes, mask=lanes < GROUP, other=0.0).to(tl.float32)
+            gate = tl.load(gate_ptr + rows.to(tl.int64)[:, None] * gate_stride + cols[None, :], mask=x_ok,
+                           other=0.0).to(tl.float32)
+            x = (x * rstd * norm_weight[None, :] * gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty)
+        weight_ok = out_ok[:, None] & col_ok[None, :]
+        weight = tl.load(weight_rows + cols[None, :], mask=weight_ok, other=0.0)
+        if SWIGLU:
+            up_weight = tl.load(up_weight_ptr + outs.to(tl.int64)[:, None] * K + cols[None, :], mask=weight_ok,
+                                other=0.0)
+        if BLOCK_M == 1:
+            x = x.to(tl.float32)
+            acc += tl.sum(weight.to(tl.float32) * x, axis=1)
+            if SWIGLU:
+                up_acc += tl.sum(up_weight.to(tl.float32) * x, axis=1)
+        else:
+            acc = tl.dot(x, tl.trans(weight), acc, input_precision="ieee")
+            if SWIGLU:
+                up_acc = tl.dot(x, tl.trans(up_weight), up_acc, input_precision="ieee")
+
+    if BLOCK_M == 1:
+        acc = acc[None, :]
+        up_acc = up_acc[None, :]
+    # The products as F.linear returns them, in x's dtype.
+    y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+    if SWIGLU:
+        up = up_acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = y * tl.sigmoid(y) * up
+    y_ok = row_ok[:, None] & out_ok[None, :]
+    if RESIDUAL:
+        y += tl.load(residual_ptr + rows.to(tl.int64)[:, None] * residual_stride + outs[None, :], mask=y_ok,
+                     other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + outs[None, :], y.to(y_ptr.dtype.element_ty), mask=y_ok)
+
+
+def gemv_launch(M, N, K_span, group_block, weights):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows, N outputs, K_span padded
+    positions of groups of group_block and `weights` weight matrices (2 for SwiGLU).
+
+    One row: a program's tile of BLOCK_N x BLOCK_K holds ONE_ROW_TILE weight elements (split
+    between the weights) and spans the whole K where it can, so that most products take one round
+    of loads a program (K = 1024: 4 rows of 1024); BLOCK_N as large as leaves PROGRAMS_TO_FILL
+    programs (N = 1024: 4, the 400M in-projection's 4120: 16). More rows: tl.dot tiles of 16 rows,
+    BLOCK_N 16 (the smallest tl.dot takes), 32 where N still gives PROGRAMS_TO_FILL / 2 programs,
+    chunks of DOT_BLOCK_K pipelined DOT_STAGES deep."""
+    K_block = max(16, _next_power_of_2(K_span))
+    if M == 1:
+        BLOCK_K = max(group_block, min(K_block, MAX_BLOCK_K))
+        BLOCK_N = max(1, ONE_ROW_TILE // (weights * BLOCK_K))
+        while BLOCK_N > 1 and _cdiv(N, BLOCK_N) < PROGRAMS_TO_FILL:
+            BLOCK_N //= 2
+        return 1, BLOCK_N, BLOCK_K, 4, 1
+    BLOCK_N = 32 if _cdiv(N, 32) >= PROGRAMS_TO_FILL // 2 else 16
+    BLOCK_K = max(group_block, min(K_block, DOT_BLOCK_K))
+    return DOT_BLOCK_M, BLOCK_N, BLOCK_K, 4, DOT_STAGES
+
+
+def _check_no_grad(*tensors):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise ValueError("the fused generation-step products have no backward: call them under torch.no_grad() "
+                         "or with tensors that do not require grad")
+
+
+def _describe(t):
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_weight(name, weight):
+    """weight [N, K] (nn.Linear's layout), contiguous: returns (N, K)."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{name} must be a tensor [N, K] (nn.Linear's layout), got {_describe(weight)}")
+    if not weight.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (a copy of it at each call would cost more than the product)")
+    return weight.shape
+
+
+def _check_input(name, x, K):
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"{name} must be a tensor [..., {K}] (K = the weight's input width), got {_describe(x)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def _check_like(name, t, x, x_name, shape=None):
+    """t of x's dtype and device (and of `shape` where given)."""
+    if (not isinstance(t, torch.Tensor) or t.dtype != x.dtype or t.device != x.device
+            or (shape is not None and t.shape != shape)):
+        wanted = f"{tuple(shape)} " if shape is not None else ""
+        raise ValueError(f"{name} must be {wanted}of {x_name}'s dtype {x.dtype} on {x.device}, got {_describe(t)}")
+
+
+def _check_norm_weight(norm_weight, size, x, what):
+    if (not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != (size,)
+            or not norm_weight.is_floating_point() or norm_weight.device != x.device):
+        raise ValueError(f"norm_weight must be a floating-point [{size}] ({what}) on {x.device}, got "
+                         f"{_describe(norm_weight)}")
+    return norm_weight.contiguous()
+
+
+@_on_inputs_device
+def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, group):
+    """y [..., N] in x's dtype; x, gate and residual as row views (`token_rows`), group the norm's
+    channels per group (K without groups)."""
+    rows = token_rows(x)
+    M, K = rows.shape
+    N = weight.shape[0]
+    group_block = _next_power_of_2(group) if norm == "gated_heads" else None
+    K_span = K // group * group_block if group_block else K
+    BLOCK_M, BLOCK_N, BLOCK_K, warps, stages = gemv_launch(M, N, K_span, group_block or 1,
+                                                            2 if up_weight is not None else 1)
+    if not group_block:
+        group = group_block = BLOCK_K  # a position is a channel
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if M:
+        _gemv_kernel[(_cdiv(N, BLOCK_N), _cdiv(M, BLOCK_M))](
+            rows, gate, norm_weight, weight, up_weight, residual, y, M, N, K, K_span, rows.stride(0),
+            0 if gate is None else gate.stride(0), 0 if residual is None else residual.stride(0), eps,
+            NORM=norm, SWIGLU=up_weight is not None, RESIDUAL=residual is not None, GROUP=group,
+            GROUP_BLOCK=group_block, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=warps,
+            num_stages=stages)
+    return y.view(*x.shape[:-1], N)
+
+
+def rms_norm_linear(x, norm_weight, eps, weight):
+    """F.linear(rms_norm(x) * norm_weight, weight) for x [..., K], norm_weight [K], weight [N, K]:
+    [..., N] in x's dtype. Rounds as rms_norm then F.linear do: the normed x to x's dtype, the fp32
+    product to x's dtype."""
+    N, K = _check_weight("weight", weight)
+    _check_input("x", x, K)
+    _check_like("weight", weight, x, "x")
+    norm_weight = _check_norm_weight(norm_weight, K, x, "x's width")
+    _check_no_grad(x, norm_weight, weight)
+    return _launch(x, None, norm_weight, float(eps), weight, None, None, "row", K)
+
+
+def rms_norm_swiglu(x, norm_weight, eps, gate_weight, up_weight):
+    """silu(xn @ gate_weight.T) * (xn @ up_weight.T) with xn = rms_norm(x) * norm_weight, x [..., K],
+    the weights [N, K] each: [..., N] in x's dtype (the MLP's input to its down projection). Rounds
+    as rms_norm, F.linear and `swiglu` do: xn and each product to x's dtype, then silu(gate) * up
+    in fp32 to x's dtype."""
+    N, K = _check_weight("gate_weight", gate_weight)
+    _check_input("x", x, K)
+    _check_like("gate_weight", gate_weight, x, "x")
+    _check_weight("up_weight", up_weight)
+    _check_like("up_weight", up_weight, x, "x", gate_weight.shape)
+    norm_weight = _check_norm_weight(norm_weight, K, x, "x's width")
+    _check_no_grad(x, norm_weight, gate_weight, up_weight)
+    return _launch(x, None, norm_weight, float(eps), gate_weight, up_weight, None, "row", K)
+
+
+def gated_rms_norm_linear(o, gate, norm_weight, eps, head_dim, weight, residual):
+    """residual + F.linear(y, weight), y = rms_norm of each head of head_dim channels of o, times
+    norm_weight [head_dim], times silu(gate): the output of a linear-attention layer (its o_norm
+    and o_proj) added to the block's input. o and gate [..., K] (heads side by side, K a multiple
+    of head_dim), weight [N, K], residual [..., N]: [..., N] in o's dtype. Rounds as the unfused
+    path does: y to o's dtype (norm, weight and gate applied in fp32), the fp32 product to o's
+    dtype, then residual + product in fp32 to o's dtype."""
+    N, K = _check_weight("weight", weight)
+    _check_input("o", o, K)
+    _check_like("weight", weight, o, "o")
+    _check_like("gate", gate, o, "o", o.shape)
+    if not isinstance(head_dim, int) or head_dim <= 0 or K % head_dim:
+        raise ValueError(f"head_dim must be a positive int dividing o's width {K}, got {head_dim!r}")
+    if _next_power_of_2(head_dim) > MAX_BLOCK_K:
+        raise ValueError(f"head_dim must be at most {MAX_BLOCK_K} (a chunk holds whole heads), got {head_dim}")
+    norm_weight = _check_norm_weight(norm_weight, head_dim, o, "per head")
+    _check_like("residual", residual, o, "o", (*o.shape[:-1], N))
+    _check_no_grad(o, gate, norm_weight, weight, residual)
+    return _launch(o, token_rows(gate), norm_weight, float(eps), weight, None, token_rows(residual), "gated_heads",
+                   head_dim)
+
+
+def linear_residual(x, weight, residual):
+    """residual + F.linear(x, weight) for x [..., K], weight [N, K], residual [..., N]: [..., N] in
+    x's dtype. Rounds as the unfused path does: the fp32 product to x's dtype, then the sum in fp32
+    to x's dtype."""
+    N, K = _check_weight("weight", weight)
+    _check_input("x", x, K)
+    _check_like("weight", weight, x, "x")
+    _check_like("residual", residual, x, "x", (*x.shape[:-1], N))
+    _check_no_grad(x, weight, residual)
+    return _launch(x, None, None, 0.0, weight, None, token_rows(residual), "none", K)
