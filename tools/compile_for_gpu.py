@@ -1,5 +1,5 @@
-"""Compile every chunked Triton kernel, and every fused layer kernel (kernels_reslin_triton_layers),
-for an H200 (sm_90) on any machine, GPU or not, and check
+"""Compile every chunked Triton kernel, and every fused layer kernel (kernels_reslin_triton_layers,
+and kernels_reslin_triton_decode's decode_inputs), for an H200 (sm_90) on any machine, GPU or not, and check
 what the compiler can tell without running: that each variant compiles, and that its shared
 memory fits the GPU (232448 bytes on an H200; a launch past it fails with OutOfResources).
 Device time is scarce: this catches compile errors and shared-memory overflows before a GPU run.
@@ -33,6 +33,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import kernels_reslin_triton_backward  # noqa: E402
+import kernels_reslin_triton_decode as decode_kernels  # noqa: E402
 import kernels_reslin_triton_forward  # noqa: E402
 import kernels_reslin_triton_launch  # noqa: E402
 import kernels_reslin_triton_layers as layer_kernels  # noqa: E402
@@ -94,7 +95,7 @@ def compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages, 
 # parameters fp32), fp32 gradient buffers, int64 positions. An absent optional pointer is None,
 # a constexpr, as a launch passes it.
 LAYER_FP32_POINTERS = ("weight_ptr", "dpre_ptr", "dweight_ptr", "A_log_ptr", "dt_bias_ptr", "g_ptr", "beta_ptr",
-                       "gamma_ptr")
+                       "gamma_ptr", "gamma_write_ptr")
 
 
 def layer_launches():
@@ -126,6 +127,12 @@ def layer_launches():
                 variants += [(layer_kernels._short_conv_forward_kernel, dict(conv, **flags, UPDATE_STATE=update), absent,
                               warps) for update in ((False, True) if has_state else (False,))]
                 variants.append((layer_kernels._short_conv_backward_kernel, dict(backward_conv, **flags), absent, warps))
+    # A generation step's inputs (decode_inputs): heads of 128 and 256, and the shortest window.
+    for head_size, K in ((128, 4), (256, 4), (128, 2)):
+        blocks, decode_warps = decode_kernels.decode_inputs_launch(head_size, head_size, 1, K)
+        variants += [(decode_kernels._decode_inputs_kernel, dict(blocks, RESIDUAL=residual, KACZMARZ=kaczmarz),
+                      (() if residual else ("gamma_ptr",)) + (() if residual and kaczmarz else ("gamma_write_ptr",)),
+                      decode_warps) for residual in (False, True) for kaczmarz in (False, True)]
     return variants
 
 
@@ -136,7 +143,7 @@ def compile_layer_variant(fn, constexprs, absent, pointer_type, num_warps):
                  "*i64" if name == "positions_ptr" else
                  "*fp32" if name in LAYER_FP32_POINTERS else
                  pointer_type if name.endswith("_ptr") else
-                 "fp32" if name == "eps" else "i32" for name in params}
+                 "fp32" if name.endswith("eps") else "i32" for name in params}
     aligned = [name for name in params if name.endswith("_ptr")]
     return compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages=3)
 
@@ -212,7 +219,8 @@ def main():
                         print(f"{label}: {shared:6d} B shared{'' if fits else ' > ' + str(SHARED_MEMORY)}{extra}"
                               f" ({time.time() - start:.0f} s)", flush=True)
         for fn, constexprs, absent, warps in layer_launches():
-            flags = " ".join(f"{k}={v}" for k, v in constexprs.items() if isinstance(v, bool) or k == "BLOCK_N")
+            flags = " ".join(f"{k}={v}" for k, v in constexprs.items()
+                             if isinstance(v, bool) or k in ("BLOCK_N", "BK", "K"))
             label = f"{fn.kernel.fn.__name__:30s} {dtype} {flags}"
             try:
                 compiled = compile_layer_variant(fn, constexprs, absent, pointer_type, warps)
