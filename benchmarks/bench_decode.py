@@ -1,75 +1,160 @@
-"""One-token decode step of one layer: ResLin's Triton kernel against FLA, same GPU, same run.
+"""One decode step of one layer (T = 1): our kernel against FLA's and FlashInfer's GDN decode, same run.
 
-For each rule and batch size it prints the time of one `reslin_decode_step` call, Python
-included (a loop of calls, synchronised at the end); the same step replayed from a CUDA graph,
-the way `generate` runs it (config `decode_cuda_graphs`), Python of the replay included; the state bytes it moves (S, and R for the
-residual rules, each read and written once, fp32) as bandwidth and as a share of the
-device-to-device copy bandwidth measured at the start of the run, and, for GDN, the same for
-FLA 0.6.0's fused_recurrent_gated_delta_rule when FLA is importable (carried as wheels).
+For every head count in --heads and batch size in --batches: our `reslin_decode_step` (Triton) for
+every rule in --rules, then, for gdn, the anchors that import here:
+- FLA 0.6.0's `fused_recurrent_gated_delta_rule` (its GatedDeltaNet layer's call for inputs of up
+  to 64 tokens at inference; FLA has no separate one-token entry point for this rule), given the
+  same inputs as ours (L2-normalised q and k, g and beta already formed), fp32 state [B, H, K, V];
+- FlashInfer's `gdn_decode.gated_delta_rule_decode` (the serving engines' kernel), fp32 state
+  [B, H, K, V] updated in place as ours, gates from their raw inputs (A_log, a, dt_bias, b) in the
+  kernel as FlashInfer takes them;
+- FlashInfer's `gdn_decode.gated_delta_rule_decode_pretranspose` with a bf16 state [B, H, V, K],
+  its fast path: half the state bytes of the others.
+An anchor that does not import is named in the header and left out; one that fails at its first
+call is named in its row.
 
-Goals (issue "Bundled Triton kernels for inference"): >= 60% of copy bandwidth at B = 64 and
-<= 20 us per layer step at B = 1, Python included. FLA's column is its eager call.
+Each step is timed as generation runs it: --calls-per-graph calls captured in one CUDA graph,
+the graph replayed --repeats times (CUDA events, median), the time per call printed; the host's
+time is out of it. The state a step reads and writes (S, and R for the residual rules, each read
+and written once) is set against the device-to-device copy bandwidth measured at the start
+(bytes read + written / time).
 
-    python benchmarks/bench_decode.py [--heads 16] [--dim 128] [--steps 200]
+    python benchmarks/bench_decode.py [--heads 8 16] [--dim 128] [--batches 1 16 64] [--rules ...]
+    python benchmarks/bench_decode.py --smoke   # tiny sizes, Triton's CPU interpreter in fp32, eager timing
 """
 
 import argparse
-import time
+import math
 
 import torch
 
-from common import RULES, graph_replay, import_fla, print_header, rule_inputs
+from common import DEVICE, DTYPE, RULES, graph_replay, import_fla, median_ms, print_header, rule_inputs
 from kernels_reslin import reslin_decode_step
 
 
-def copy_bandwidth(gib=2):
-    src = torch.randn(gib * 2**28, device="cuda")
+def copy_bandwidth(nbytes=2**31):
+    """Bytes read + written per second by a copy of `nbytes` within the device (median of 10)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
-    seconds = per_call(lambda: dst.copy_(src), 20)
-    return 2 * src.numel() * 4 / seconds
+    return 2 * nbytes / (median_ms(lambda: dst.copy_(src)) / 1e3)
 
 
-def per_call(fn, steps):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
+def us_per_call(call, calls_per_graph, repeats):
+    """Microseconds a call: on a GPU `calls_per_graph` calls replayed from one CUDA graph, the
+    replay timed by CUDA events; on the CPU the call itself, by the wall clock."""
+    if DEVICE != "cuda":
+        return 1e3 * median_ms(call, repeats=repeats)
+
+    def calls():
+        for _ in range(calls_per_graph):
+            call()
+
+    return 1e3 * median_ms(graph_replay(calls), repeats=repeats) / calls_per_graph
 
 
-def main():
+def import_flashinfer_gdn():
+    """(flashinfer.gdn_decode or None, why not). Its import runs FlashInfer's whole package
+    set-up, which fails with other errors than ImportError where a CUDA library or its compiler
+    stack is missing: any failure leaves the anchor out, with the reason printed."""
+    if DEVICE != "cuda":
+        return None, "skipped on the CPU"
+    try:
+        from flashinfer import gdn_decode
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        return None, f"not importable ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+    return gdn_decode, None
+
+
+def flashinfer_gate_inputs(B, H):
+    """FlashInfer's raw gate inputs: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b),
+    drawn as a GDN layer's are at initialisation (A_log = log U(1, 16))."""
+    return dict(A_log=torch.empty(H, device=DEVICE).uniform_(1, 16).log(),
+                a=torch.randn(B, 1, H, device=DEVICE, dtype=DTYPE),
+                dt_bias=torch.randn(H, device=DEVICE),
+                b=torch.randn(B, 1, H, device=DEVICE, dtype=DTYPE))
+
+
+def gdn_anchors(fla, flashinfer, x, B, H, D):
+    """[(name, call, state bytes a call reads and writes)] of the importable GDN anchors on the
+    inputs `x` of ours."""
+    anchors = []
+    fp32_state_bytes = 2 * B * H * D * D * 4
+    if fla is not None:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        S = torch.randn(B, H, D, D, device=DEVICE) * 0.1
+        anchors.append(("FLA fused_recurrent (gdn)", lambda: fused_recurrent_gated_delta_rule(
+            x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=S, output_final_state=True),
+            fp32_state_bytes))
+    if flashinfer is not None:
+        gates = flashinfer_gate_inputs(B, H)
+        output = torch.empty(B, 1, H, D, device=DEVICE, dtype=torch.bfloat16)
+        for name, decode, state in (
+                ("FlashInfer decode, fp32 state (gdn)", flashinfer.gated_delta_rule_decode,
+                 torch.randn(B, H, D, D, device=DEVICE) * 0.1),
+                ("FlashInfer pretranspose, bf16 state (gdn)", flashinfer.gated_delta_rule_decode_pretranspose,
+                 (torch.randn(B, H, D, D, device=DEVICE) * 0.1).to(torch.bfloat16))):
+            anchors.append((name, lambda decode=decode, state=state: decode(
+                q=x["q"], k=x["k"], v=x["v"], state=state, output=output, use_qk_l2norm=False, **gates),
+                2 * state.numel() * state.element_size()))
+    return anchors
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    args = parser.parse_args()
+    parser.add_argument("--heads", type=int, nargs="+", help="default 8 16 (--smoke: 2)")
+    parser.add_argument("--dim", type=int, help="Dk = Dv, default 128 (--smoke: 32)")
+    parser.add_argument("--batches", type=int, nargs="+", help="default 1 16 64 (--smoke: 1 2)")
+    parser.add_argument("--rules", nargs="+", choices=list(RULES), default=list(RULES))
+    parser.add_argument("--calls-per-graph", type=int, default=20,
+                        help="steps captured back to back in one graph (a model's step has one a layer)")
+    parser.add_argument("--repeats", type=int, help="replays timed, the median printed; default 10 (--smoke: 2)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script itself (runs on a CPU)")
+    args = parser.parse_args(argv)
+    smoke = args.smoke
+    args.heads = args.heads or ([2] if smoke else [8, 16])
+    args.dim = args.dim or (32 if smoke else 128)
+    args.batches = args.batches or ([1, 2] if smoke else [1, 16, 64])
+    args.repeats = args.repeats or (2 if smoke else 10)
+    copy_bytes = 2**24 if smoke else 2**31
+
     fla = import_fla()
-    H, D = args.heads, args.dim
-    copy_bw = copy_bandwidth()
-    print_header(f"decode step, H={H} Dk=Dv={D}, bf16 inputs, fp32 states; copy bandwidth "
-                 f"{copy_bw / 1e12:.2f} TB/s (read + write)")
-    print(f"{'rule':5} {'B':>3} {'us/step':>8} {'TB/s':>6} {'% copy':>7} {'graph us':>8}   {'FLA us':>7} {'FLA % copy':>10}")
-    for name, (_, residual, _) in RULES.items():
+    flashinfer, flashinfer_missing = import_flashinfer_gdn()
+    copy_bw = copy_bandwidth(copy_bytes)
+    print_header(f"decode step, Dk = Dv = {args.dim}, {str(DTYPE).removeprefix('torch.')} inputs, fp32 states "
+                 f"(but where named); copy bandwidth {copy_bw / 1e12:.3g} TB/s (read + write)")
+    print(f"FlashInfer {flashinfer_missing or 'gdn_decode imported'}")
+    print(f"{'kernel':42} {'H':>3} {'B':>3} {'us/step':>8} {'state MB':>9} {'TB/s':>6} {'% copy':>7} "
+          f"{'ours gdn / it':>13}")
+    for H in args.heads:
         for B in args.batches:
-            x = rule_inputs(name, B, 1, H, D)
-            shape = (B, H, D, D)
-            state = (torch.randn(shape, device="cuda") * 0.1, torch.randn(shape, device="cuda") * 0.1 if residual else None)
-            step = lambda: reslin_decode_step(**x, state=state)  # noqa: E731
-            seconds = per_call(step, args.steps)
-            graph_seconds = per_call(graph_replay(step), args.steps)
-            state_bytes = 2 * (2 if residual else 1) * B * H * D * D * 4
-            line = (f"{name:5} {B:3d} {seconds * 1e6:8.1f} {state_bytes / seconds / 1e12:6.2f} "
-                    f"{100 * state_bytes / seconds / copy_bw:6.1f}% {graph_seconds * 1e6:8.1f}")
-            if name == "gdn" and fla is not None:
-                fla_seconds = per_call(lambda: fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule(
-                    x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=state[0],
-                    output_final_state=True), args.steps)
-                line += f"   {fla_seconds * 1e6:7.1f} {100 * state_bytes / fla_seconds / copy_bw:9.1f}%"
-            print(line)
+            ours_gdn_us = None
+            for rule in args.rules:
+                _, residual, _ = RULES[rule]
+                x = rule_inputs(rule, B, 1, H, args.dim)
+                shape = (B, H, args.dim, args.dim)
+                state = (torch.randn(shape, device=DEVICE) * 0.1,
+                         torch.randn(shape, device=DEVICE) * 0.1 if residual else None)
+                us = us_per_call(lambda: reslin_decode_step(**x, state=state, backend="triton"),
+                                 args.calls_per_graph, args.repeats)
+                print_row(f"ours {rule}", H, B, us, 2 * (2 if residual else 1) * math.prod(shape) * 4, copy_bw)
+                if rule == "gdn":
+                    ours_gdn_us = us
+            x = rule_inputs("gdn", B, 1, H, args.dim)
+            for name, call, state_bytes in gdn_anchors(fla, flashinfer, x, B, H, args.dim):
+                try:
+                    us = us_per_call(call, args.calls_per_graph, args.repeats)
+                except Exception as error:  # noqa: BLE001 - one anchor failing leaves the others' rows
+                    print(f"{name:42} {H:3d} {B:3d} failed: {type(error).__name__}: {str(error).splitlines()[0]}")
+                    continue
+                print_row(name, H, B, us, state_bytes, copy_bw, ours_gdn_us)
+
+
+def print_row(name, H, B, us, state_bytes, copy_bw, ours_gdn_us=None):
+    bandwidth = state_bytes / (us / 1e6)
+    ratio = "" if ours_gdn_us is None else f"{ours_gdn_us / us:.2f}x"
+    print(f"{name:42} {H:3d} {B:3d} {us:8.2f} {state_bytes / 1e6:9.4g} {bandwidth / 1e12:6.2f} "
+          f"{100 * bandwidth / copy_bw:6.1f}% {ratio:>13}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,66 @@
-"""Generation throughput of a ~400M-parameter model: ResLin (as GDN) against FLA's GatedDeltaNetForCausalLM.
+"""Generation through `model.generate` against the memory roofline, FLA's generate beside it in the same run.
 
-Both models have random weights, bf16, on CUDA, and the same shape: hidden size 1024, 24 layers,
-8 heads of size 128 (value heads as large), short convolutions, a SwiGLU MLP of 2816, vocabulary
-32000 (FLA's default). Each generates --new-tokens tokens greedily after the same random prompt of
---prompt-tokens tokens, with min_new_tokens = max_new_tokens so that EOS cannot stop it, after a
-short warm-up generate (compilation, autotuning). Throughput = new tokens x batch / seconds,
-prefill included. Our model loads as a user loads it: the repository's config.json through
-AutoConfig with trust_remote_code, fields overridden, then AutoModelForCausalLM.from_config.
-Then every rule in --rules runs alone with the same shape (ours only).
+Models: ours for every rule in --rules (gdn always: the other rules' goal is relative to it), loaded
+as a user loads it (the repository's config.json through AutoConfig with trust_remote_code, the
+shape's fields overridden, then AutoModelForCausalLM.from_config), and FLA's
+GatedDeltaNetForCausalLM of the same shape where FLA imports (eager, as FLA runs it). Random
+weights, bf16, on CUDA. Shapes (--shape), both untied with a vocabulary of 32000 and heads of 128:
+400m: hidden 1024, 24 layers, 8 heads, SwiGLU 2816; 1.3b: hidden 2048, 24 layers, 16 heads,
+SwiGLU 5632.
 
-Goals (issue "Bundled Triton kernels for inference"): ours / FLA >= 10x at B = 1 and >= 2x at
-B = 16 (FLA measured in the same run when importable).
+For every batch size in --batches, each model generates greedily after the same random prompt of
+--prompt-tokens tokens, min_new_tokens = max_new_tokens = --new-tokens (EOS cannot stop it), after
+a warm-up generate (compilation, autotuning, graph capture). Ours runs twice a batch, in one
+process: with its default loop ("fast", config.generate_fast_path = True) and with transformers'
+loop ("hf", generate_fast_path = False).
 
-    python benchmarks/bench_generate.py [--batches 1 16] [--prompt-tokens 512] [--new-tokens 256]
-                                        [--rules gdn kla rla rdn sgla rkla] [--kernel-backend auto]
-    python benchmarks/bench_generate.py --smoke   # tiny model; runs on a CPU (torch backend, fp32)
+A row, where a step is one new token for every row of the batch:
+  tok/s, us/step  the decode alone: (N - 1) new tokens x B / (time of generate(N) - time of
+                  generate(1)), medians of --repeats calls (FLA: one call of N tokens)
+  prefill ms      generate(1): the prompt's forward and the first token
+  GPU us          the GPU's busy time a step (the union of its kernels, copies and sets) from
+                  torch.profiler over the same two calls: (busy(N) - busy(1)) / (N - 1); ops: their
+                  count a step
+  host us         us/step - GPU us: how long the GPU waits on the host a step
+  limit us        the weight-read limit: bytes of the parameters a step reads once (every weight;
+                  of the input embedding only B rows, lm_head whole) / the copy bandwidth measured
+                  at the start (bytes read + written / time of a device-to-device copy); "of
+                  limit": limit / us/step
+  +state us       the same limit with the states (recurrent, short convolutions' windows) read and
+                  written once, which grow with B; "of +state" likewise
+  /FLA, /gdn      tok/s over FLA's at that batch; over ours gdn's on the same loop and batch
+  goal            default loop only: gdn >= 2,000 tok/s at B = 1 and >= 20,000 at B = 16; every
+                  other rule within 15% of gdn's tok/s
+--top K lists under each row the K operations with the most GPU time a step.
+
+    python benchmarks/bench_generate.py [--shape 400m|1.3b] [--batches 1 16] [--rules ...] [--no-fla] [--top 12]
+    python benchmarks/bench_generate.py --smoke   # a tiny model and few tokens; runs on a CPU (torch backend, fp32)
 """
 
 import argparse
+import collections
+import dataclasses
+import statistics
 import time
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from bench_decode import copy_bandwidth
 from common import DEVICE, DTYPE, REPO, RULES, import_fla, print_header, synchronize
 
-SHAPE = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=8, head_dim=128, expand_v=1.0,
-             intermediate_size=2816, tie_word_embeddings=False)
+SHAPES = {
+    "400m": dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=8, head_dim=128, expand_v=1.0,
+                 intermediate_size=2816, tie_word_embeddings=False),
+    "1.3b": dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=24, num_heads=16, head_dim=128, expand_v=1.0,
+                 intermediate_size=5632, tie_word_embeddings=False),
+}
+SHAPE = SHAPES["400m"]  # the shape bench_training, bench_context_parallel and saved_activations share
 SMOKE_SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0,
                    intermediate_size=128, tie_word_embeddings=False)
-GOALS = {1: 10.0, 16: 2.0}  # batch size: ours / FLA at least
-WARMUP_TOKENS = 8
+GDN_GOALS = {1: 2_000, 16: 20_000}  # batch size: ours gdn's tokens/s at least, default loop
+RULE_GOAL = 0.85  # every other rule's tokens/s at least this share of gdn's, default loop
+WARMUP_TOKENS = 32  # two of the fast loop's 16-token syncs, so that no first use falls into a timed call
 
 
 def load_ours(rule, shape, kernel_backend):
@@ -47,80 +77,264 @@ def load_fla(shape):
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 
     config = GatedDeltaNetConfig(use_short_conv=True, **shape)
-    return GatedDeltaNetForCausalLM(config).to(device=DEVICE, dtype=DTYPE).eval()
-
-
-def tokens_per_second(model, prompt, new_tokens):
-    def generate(n):
-        return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                              max_new_tokens=n, min_new_tokens=n)
-
-    with torch.no_grad():
-        generate(min(WARMUP_TOKENS, new_tokens))
-        synchronize()
-        start = time.perf_counter()
-        output = generate(new_tokens)
-        synchronize()
-        seconds = time.perf_counter() - start
-    if output.shape[1] != prompt.shape[1] + new_tokens:
-        raise RuntimeError(f"generated {output.shape[1] - prompt.shape[1]} tokens, asked for {new_tokens}")
-    return new_tokens * prompt.shape[0] / seconds
+    model = GatedDeltaNetForCausalLM(config).to(device=DEVICE, dtype=DTYPE).eval()
+    if model.generation_config.pad_token_id is None:  # else every generate call warns that it picks one
+        model.generation_config.pad_token_id = config.eos_token_id
+    return model
 
 
 def parameters(model):
     return f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"
 
 
-def main():
+def loops(model):
+    """[(label, config.generate_fast_path)] to run: the default loop first. A config without the
+    field has one loop only (label "default", nothing set)."""
+    if not hasattr(model.config, "generate_fast_path"):
+        return [("default", None)]
+    return [("fast", True), ("hf", False)]
+
+
+def weight_read_bytes(model, batch):
+    """Bytes of the parameters a step reads once: all of them, but of an input embedding that is
+    not also the output layer only the rows of the batch's tokens."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    if embedding is not model.get_output_embeddings().weight:
+        rows = min(batch, embedding.shape[0])
+        total -= (embedding.shape[0] - rows) * embedding.shape[1] * embedding.element_size()
+    return total
+
+
+def tensor_bytes(obj, seen=None):
+    """Bytes of the distinct tensors reachable from `obj` through lists, tuples, dicts and the
+    attributes of plain objects (modules excepted): a generation cache, whatever its layout."""
+    seen = set() if seen is None else seen
+    key = (obj.untyped_storage().data_ptr(), obj.storage_offset()) if isinstance(obj, torch.Tensor) else id(obj)
+    if key in seen:
+        return 0
+    seen.add(key)
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+        items = vars(obj).values()
+    else:
+        return 0
+    return sum(tensor_bytes(item, seen) for item in items)
+
+
+def state_bytes(model, prompt):
+    """Bytes a step moves for the states: every tensor of the cache after a short forward, read
+    and written once."""
+    with torch.no_grad():
+        output = model(prompt[:, :4], use_cache=True)
+    cache = next(output[name] for name in ("cache", "past_key_values") if output.get(name) is not None)
+    return 2 * tensor_bytes(cache)
+
+
+def busy_us(intervals):
+    """Length of the union of (start, end) intervals: the time the GPU ran anything."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
+
+
+@dataclasses.dataclass
+class Activity:
+    busy_us: float  # union of the operations' intervals
+    ops: int
+    us_by_name: collections.Counter
+
+
+def gpu_activity(run):
+    """What `run()` queues on the GPU, from torch.profiler (kernels, copies, sets; graph replays
+    counted kernel by kernel)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        run()
+        torch.cuda.synchronize()
+    events = [event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    us_by_name = collections.Counter()
+    for event in events:
+        us_by_name[event.name] += event.time_range.elapsed_us()
+    return Activity(busy_us(((event.time_range.start, event.time_range.end) for event in events)), len(events),
+                    us_by_name)
+
+
+@dataclasses.dataclass
+class Measurement:
+    tokens_per_s: float
+    step_us: float
+    prefill_ms: float
+    gpu: Activity = None  # a step's, on CUDA only
+
+
+def generate(model, prompt, new_tokens):
+    output = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    if output.shape[1] != prompt.shape[1] + new_tokens:
+        raise RuntimeError(f"generated {output.shape[1] - prompt.shape[1]} tokens, asked for {new_tokens}")
+
+
+def median_seconds(run, repeats):
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        run()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(model, prompt, new_tokens, repeats, whole_repeats):
+    """The decode of generate(new_tokens) after generate(1) on `prompt`: see the module docstring."""
+    first = lambda: generate(model, prompt, 1)  # noqa: E731
+    whole = lambda: generate(model, prompt, new_tokens)  # noqa: E731
+    steps = new_tokens - 1
+    with torch.no_grad():
+        generate(model, prompt, min(WARMUP_TOKENS, new_tokens))
+        prefill = median_seconds(first, repeats)
+        decode = median_seconds(whole, whole_repeats) - prefill
+        gpu = None
+        if DEVICE == "cuda":
+            before, after = gpu_activity(first), gpu_activity(whole)
+            us_by_name = collections.Counter({name: (us - before.us_by_name[name]) / steps
+                                              for name, us in after.us_by_name.items()})
+            gpu = Activity((after.busy_us - before.busy_us) / steps, (after.ops - before.ops) / steps, us_by_name)
+    return Measurement(steps * prompt.shape[0] / decode, 1e6 * decode / steps, 1e3 * prefill, gpu)
+
+
+class Table:
+    """One row a model, loop and batch, printed as measured; the ratios to FLA and to gdn come
+    from rows printed before (FLA's first, then ours gdn's)."""
+
+    COLUMNS = (f"{'model':8} {'loop':7} {'B':>3} {'tok/s':>9} {'us/step':>8} {'prefill ms':>10} {'GPU us':>8} "
+               f"{'host us':>8} {'ops':>6} {'limit us':>8} {'of limit':>8} {'+state us':>9} {'of +state':>9} "
+               f"{'/FLA':>6} {'/gdn':>6}  goal")
+
+    def __init__(self, copy_bw, top):
+        self.copy_bw, self.top = copy_bw, top
+        self.fla = {}  # batch: FLA's tokens/s
+        self.gdn = {}  # (loop, batch): ours gdn's tokens/s
+        self.verdicts = []
+        print(self.COLUMNS)
+
+    def row(self, name, loop, default_loop, B, measured, weights, states):
+        if name == "FLA gdn":
+            self.fla[B] = measured.tokens_per_s
+        elif name == "gdn":
+            self.gdn[loop, B] = measured.tokens_per_s
+        limit_us = 1e6 * weights / self.copy_bw
+        state_limit_us = 1e6 * (weights + states) / self.copy_bw
+        gpu = measured.gpu
+        gpu_text = (f"{'-':>8} {'-':>8} {'-':>6}" if gpu is None else
+                    f"{gpu.busy_us:8.1f} {measured.step_us - gpu.busy_us:8.1f} {gpu.ops:6.0f}")
+        print(f"{name:8} {loop:7} {B:3d} {measured.tokens_per_s:9,.0f} {measured.step_us:8.1f} "
+              f"{measured.prefill_ms:10.1f} {gpu_text} {limit_us:8.1f} {limit_us / measured.step_us:8.1%} "
+              f"{state_limit_us:9.1f} {state_limit_us / measured.step_us:9.1%} "
+              f"{self.ratio(measured, self.fla.get(B), name == 'FLA gdn')} "
+              f"{self.ratio(measured, self.gdn.get((loop, B)), name in ('gdn', 'FLA gdn'))}  "
+              f"{self.goal(name, loop == default_loop, B, measured.tokens_per_s)}", flush=True)
+        if gpu is not None:
+            for op, us in gpu.us_by_name.most_common(self.top):
+                print(f"    {us:8.1f} us a step  {op[:100]}")
+
+    @staticmethod
+    def ratio(measured, reference, itself):
+        return f"{'':>6}" if itself or reference is None else f"{measured.tokens_per_s / reference:5.2f}x"
+
+    def goal(self, name, default_loop, B, tokens_per_s):
+        if not default_loop or name == "FLA gdn":
+            return ""
+        if name == "gdn":
+            if B not in GDN_GOALS:
+                return ""
+            goal, text = GDN_GOALS[B], f">= {GDN_GOALS[B]:,} tok/s"
+        else:
+            gdn = self.gdn.get(("fast", B), self.gdn.get(("default", B)))
+            goal, text = RULE_GOAL * gdn, f">= {RULE_GOAL:.2f}x gdn"
+        met = tokens_per_s >= goal
+        self.verdicts.append(met)
+        return f"{text}: {'met' if met else 'NOT met'}"
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--shape", choices=list(SHAPES), default="400m")
+    parser.add_argument("--batches", nargs="+", type=int, help="default 1 16 (--smoke: 1 2)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rules", nargs="+", choices=list(RULES), default=["gdn", "kla", "rla", "rdn", "sgla", "rkla"])
+    parser.add_argument("--repeats", type=int, default=3, help="calls timed a measure, the median kept")
+    parser.add_argument("--no-fla", action="store_true", help="leave FLA's generate out (it takes ~30 s a batch)")
+    parser.add_argument("--top", type=int, default=0, help="list the TOP operations by GPU time a step under each row")
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"],
                         help="our config's kernel_backend (auto: what a user gets)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and few tokens, to check the script itself")
-    args = parser.parse_args()
-    shape = SMOKE_SHAPE if args.smoke else SHAPE
+    args = parser.parse_args(argv)
+    shape = SMOKE_SHAPE if args.smoke else SHAPES[args.shape]
+    copy_bytes = 2**31
     if args.smoke:
-        args.batches, args.prompt_tokens, args.new_tokens = [1, 2], 16, 8
+        args.prompt_tokens, args.new_tokens, args.kernel_backend, copy_bytes = 16, 8, "torch", 2**24
+    args.batches = args.batches or ([1, 2] if args.smoke else [1, 16])
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2: the decode is timed as generate(N) - generate(1)")
+    if args.prompt_tokens < 4:
+        parser.error("--prompt-tokens must be at least 4")
 
-    fla = import_fla()
+    fla = None if args.no_fla else import_fla()
+    if DEVICE == "cuda":
+        # A CUDA graph captured before the profiler's first session may be broken under it (pytorch issue
+        # 75504; torch.profiler._utils._init_for_cuda_graphs does this): start and end one before any capture.
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+            pass
+    copy_bw = copy_bandwidth(copy_bytes)
     print_header(f"generate: prompt {args.prompt_tokens} + {args.new_tokens} new tokens, greedy, "
-                 f"{str(DTYPE).removeprefix('torch.')}, random weights, "
-                 + ", ".join(f"{k}={v}" for k, v in shape.items()) + f", our kernel_backend {args.kernel_backend!r}")
+                 f"{str(DTYPE).removeprefix('torch.')}, random weights, shape {'smoke' if args.smoke else args.shape}: "
+                 + ", ".join(f"{k}={v}" for k, v in shape.items())
+                 + f"; our kernel_backend {args.kernel_backend!r}; copy bandwidth {copy_bw / 1e12:.3g} TB/s "
+                 f"(read + write)" + ("; FLA left out (--no-fla)" if args.no_fla else ""))
     generator = torch.Generator().manual_seed(0)
     # Ids from 3 up: clear of the pad, bos and eos ids 0-2 of our config.json.
     prompts = {B: torch.randint(3, shape["vocab_size"], (B, args.prompt_tokens), generator=generator).to(DEVICE)
                for B in args.batches}
+    table = Table(copy_bw, args.top)
+    sizes = []
 
-    fla_speed = {}
-    if fla is not None:
-        model = load_fla(shape)
-        print(f"FLA GatedDeltaNetForCausalLM: {parameters(model)} parameters")
-        fla_speed = {B: tokens_per_second(model, prompts[B], args.new_tokens) for B in args.batches}
-        del model
-        torch.cuda.empty_cache()
-
-    for rule in dict.fromkeys(["gdn"] + args.rules):  # gdn first: the comparison with FLA
-        model = load_ours(rule, shape, args.kernel_backend)
-        if rule == "gdn":
-            print(f"ResLin gdn: {parameters(model)} parameters")
-        speed = {B: tokens_per_second(model, prompts[B], args.new_tokens) for B in args.batches}
+    def run(name, load, whole_repeats):
+        torch.manual_seed(0)
+        model = load()
+        sizes.append(f"{name} {parameters(model)}")
+        model_loops = [("eager", None)] if name == "FLA gdn" else loops(model)
+        for B in args.batches:
+            weights, states = weight_read_bytes(model, B), state_bytes(model, prompts[B])
+            for loop, fast_path in model_loops:
+                if fast_path is not None:
+                    model.config.generate_fast_path = fast_path
+                measured = measure(model, prompts[B], args.new_tokens, args.repeats, whole_repeats)
+                table.row(name, loop, model_loops[0][0], B, measured, weights, states)
         del model
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-        if rule == "gdn":
-            if fla_speed:
-                print(f"{'B':>3} {'ours gdn tok/s':>15} {'FLA tok/s':>10} {'ours/FLA':>9}   goal")
-                for B in args.batches:
-                    ratio = speed[B] / fla_speed[B]
-                    goal = GOALS.get(B)
-                    verdict = "none" if goal is None else f">= {goal:g}x {'met' if ratio >= goal else 'NOT met'}"
-                    print(f"{B:3d} {speed[B]:15.1f} {fla_speed[B]:10.1f} {ratio:8.2f}x   {verdict}")
-            print(f"\nours alone, tokens/s\n{'rule':5} " + " ".join(f"{f'B={B}':>9}" for B in args.batches))
-        if rule in args.rules:
-            print(f"{rule:5} " + " ".join(f"{speed[B]:9.1f}" for B in args.batches), flush=True)
+        return model_loops
+
+    if fla is not None:
+        # One call of N tokens: FLA's eager generate takes ~13 s for 256 tokens at the 400m shape.
+        run("FLA gdn", lambda: load_fla(shape), whole_repeats=1)
+    for rule in dict.fromkeys(["gdn"] + args.rules):
+        our_loops = run(rule, lambda: load_ours(rule, shape, args.kernel_backend), args.repeats)
+    print("parameters: " + ", ".join(sizes))
+    if our_loops[0][1] is None:
+        print("note: this config has no generate_fast_path: one loop measured, whichever generate runs by default")
+    met = sum(table.verdicts)
+    print(f"goals: {met} of {len(table.verdicts)} met")
 
 
 if __name__ == "__main__":

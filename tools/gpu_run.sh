@@ -36,8 +36,10 @@
 #                bench_forward options in $GRAPHS_ARGS ("--rules sgla rla --shapes 8x2048", "--backward")
 #                (540). For changes that show only replayed (launch overlap, PDL): kernel_variants
 #                times kernels and eager calls.
-#   decode       benchmarks/bench_decode.py (180)
-#   generate     benchmarks/bench_generate.py (600)
+#   decode       benchmarks/bench_decode.py: our decode step beside FLA's and FlashInfer's, those that import (240)
+#   generate     benchmarks/bench_generate.py, the 400m shape: every rule, both loops, FLA's generate beside;
+#                more options in $GENERATE_ARGS ("--rules gdn --no-fla", "--top 12") (570: the rows print as measured)
+#   generate-1.3b  the same at the 1.3b shape (570)
 #   training     benchmarks/bench_training.py (600)
 #   compile      benchmarks/bench_compile.py: train.py's step eager and compiled (--compile) (420)
 #   prefill      benchmarks/bench_prefill.py, its CSV and SVG into the log folder (600)
@@ -74,7 +76,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|tests-kernels|tests-graphs|tests-others|suite|layers|convert|forward|backward|forward-graphs|backward-graphs|kernels|variants|variants-forward|variants-graphs|decode|generate|training|compile|prefill|context|ddp|compare) ;;
+    tests|tests-kernels|tests-graphs|tests-others|suite|layers|convert|forward|backward|forward-graphs|backward-graphs|kernels|variants|variants-forward|variants-graphs|decode|generate|generate-1.3b|training|compile|prefill|context|ddp|compare) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -128,8 +130,9 @@ for name in "$@"; do
         echo "== $name"
         python3 benchmarks/bench_forward.py --graphs ${GRAPHS_ARGS:-}
       done' ;;
-    decode) job decode 180 python3 benchmarks/bench_decode.py ;;
-    generate) job generate 600 python3 benchmarks/bench_generate.py ;;
+    decode) job decode 240 python3 benchmarks/bench_decode.py ;;
+    generate) job generate 570 python3 benchmarks/bench_generate.py ${GENERATE_ARGS:-} ;;
+    generate-1.3b) job generate-1.3b 570 python3 benchmarks/bench_generate.py --shape 1.3b ${GENERATE_ARGS:-} ;;
     training) job training 600 python3 benchmarks/bench_training.py ;;
     compile) job compile 420 python3 benchmarks/bench_compile.py ;;
     prefill) job prefill 600 python3 benchmarks/bench_prefill.py --out "$logs" ;;
