@@ -24,6 +24,17 @@ def test_busy_time_counts_overlapping_operations_once():
     assert bench_generate.busy_us([]) == 0
 
 
+def test_activity_sums_by_name_and_reads_a_profile_from_kineto():
+    measured = bench_generate.activity([("mm", 0.0, 4.0), ("add", 2.0, 3.0), ("mm", 10.0, 11.0)])
+    assert (measured.busy_us, measured.ops, measured.us_by_name) == (5.0, 3, {"mm": 5.0, "add": 1.0})
+    # The same reading as on a GPU, of the CPU's operations: names and times in microseconds.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    ops = bench_generate.kineto_ops(profile, torch.autograd.DeviceType.CPU)
+    assert "aten::mm" in {name for name, _, _ in ops}
+    assert all(0 <= end - start < 1e6 for _, start, end in ops)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_weight_read_bytes_count_the_batch_rows_of_an_untied_embedding(tiny_model, tied):
     model = tiny_model("gdn", tie_word_embeddings=tied)
