@@ -79,6 +79,17 @@ def test_table_gives_ratios_and_judges_the_default_loop_only(capsys):
     assert table.verdicts == [True, False, True]
 
 
+def test_table_splits_a_step_into_gpu_and_host_time_and_lists_the_top_operations(capsys):
+    table = bench_generate.Table(copy_bw=1e12, top=2)
+    gpu = bench_generate.Activity(busy_us=300.0, ops=40, us_by_name=bench_generate.collections.Counter(
+        {"gemv": 200.0, "norm": 30.0, "decode": 70.0}))
+    table.row("gdn", "hf", "fast", 1, bench_generate.Measurement(1_000, 1_000.0, 5.0, gpu), weights=1e8, states=1e7)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[3:12] == ["1,000", "1000.0", "5.0", "300.0", "700.0", "40", "100.0", "10.0%", "110.0"]
+    assert [line.split() for line in lines[2:]] == [["200.0", "us", "a", "step", "gemv"],
+                                                    ["70.0", "us", "a", "step", "decode"]]
+
+
 def test_smoke_run_prints_a_row_per_loop_and_the_goals(capsys):
     bench_generate.main(["--smoke", "--rules", "gdn", "--batches", "1", "--repeats", "1"])
     lines = capsys.readouterr().out.splitlines()
