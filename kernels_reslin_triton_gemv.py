@@ -32,15 +32,15 @@ except ImportError:
     from kernels_reslin_triton_layers import token_rows
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Programs that fill an H200 (132 SMs) twice over: each program keeps its weight tile's loads in
-# flight, and a product this small is done in one or two rounds of loads, so the GPU's bandwidth
-# is reached only with many SMs loading at once, each from two programs.
+# A product this small is a round or two of loads a program: the GPU's bandwidth comes only from
+# many loads in flight at once, so the launch has at least this many programs, about two for
+# each of an H200's 132 SMs.
 PROGRAMS_TO_FILL = 256
-ONE_ROW_TILE = 4096  # weight elements a program loads at once, one row of x (the broadcast path)
-MAX_BLOCK_K = 1024
-DOT_BLOCK_M = 16  # the smallest tl.dot tile: rows 2 to 16 are one padded tile
-DOT_BLOCK_K = 128
-DOT_STAGES = 3
+ONE_ROW_TILE = 4096  # weight elements a one-row program loads at once (32 a thread on 4 warps)
+MAX_BLOCK_K = 4096
+DOT_BLOCK_M = 16  # the smallest tl.dot tile: 2 to 16 rows are one padded tile
+DOT_BLOCK_K = 256
+DOT_STAGES = 4
 
 
 @_Launcher
@@ -144,15 +144,21 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
 
 
 def gemv_launch(M, N, K_span, group_block, weights):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows, N outputs, K_span padded
-    positions of groups of group_block and `weights` weight matrices (2 for SwiGLU).
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `_gemv_kernel` for M rows, N outputs,
+    K_span positions in groups of group_block (1 without groups) and `weights` weight matrices (2
+    for SwiGLU).
 
-    One row: a program's tile of BLOCK_N x BLOCK_K holds ONE_ROW_TILE weight elements (split
-    between the weights) and spans the whole K where it can, so that most products take one round
-    of loads a program (K = 1024: 4 rows of 1024); BLOCK_N as large as leaves PROGRAMS_TO_FILL
-    programs (N = 1024: 4, the 400M in-projection's 4120: 16). More rows: tl.dot tiles of 16 rows,
-    BLOCK_N 16 (the smallest tl.dot takes), 32 where N still gives PROGRAMS_TO_FILL / 2 programs,
-    chunks of DOT_BLOCK_K pipelined DOT_STAGES deep."""
+    One row: a program's chunk spans the whole K where it can (up to MAX_BLOCK_K: the 400M down
+    projection's 2816 in a chunk of 4096, its lanes past 2816 masked, which costs issue slots, not
+    bandwidth), so that the product is one round of loads: programs of ONE_ROW_TILE weight
+    elements, many to a SM (4 warps and ~40 registers each), have every weight element in flight
+    at once (K = 1024: tiles of 4 rows; the 400M in-projection's 4120 rows in 1030 programs). x,
+    read by every program, stays in each SM's L1. Fewer rows a program where that leaves fewer
+    than PROGRAMS_TO_FILL programs.
+
+    More rows: tl.dot tiles of 16 rows and BLOCK_N 16 (the smallest tl.dot takes), 32 where N
+    still gives PROGRAMS_TO_FILL / 2 programs (the in-projection), chunks of DOT_BLOCK_K along K
+    that Triton's software pipeline keeps DOT_STAGES deep in flight through shared memory."""
     K_block = max(16, _next_power_of_2(K_span))
     if M == 1:
         BLOCK_K = max(group_block, min(K_block, MAX_BLOCK_K))

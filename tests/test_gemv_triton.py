@@ -1,0 +1,234 @@
+"""The generation step's fused products (kernels_reslin_triton_gemv.py) against an fp32 reference
+and against the unfused composition the model runs today (its norm modules, nn.Linear, SwiGLU, the
+residual add).
+
+Without a GPU they run in Triton's CPU interpreter in fp32: relative error <= 1e-5 against both
+(both compute in fp32; only the order of the sums differs). Rows 1 (the one-row path) and 3, 16
+and 17 (the tl.dot path, 17 in two row tiles), K and N that fill no block, heads of 48 (masked
+lanes) and 128, leading dims [B, 1, K]; each with the launch's own blocks and with small ones
+that split K into several chunks and put many outputs in a program.
+
+On the GPU (`pytest -m gpu`) the kernels run compiled in bf16 at a 400M model's shapes for 1 and
+16 rows: relative error <= 1e-2 against the fp32 reference (bf16 rounding of the normed input,
+the product and the epilogue), and <= 1e-3 against the unfused bf16 path (the existing fused
+norm and SwiGLU kernels, F.linear and the residual add), which rounds at the same points: the
+two differ only where fp32 sums taken in another order round to different bf16 neighbours.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_kernels import rel_err
+
+gemv = pytest.importorskip("kernels_reslin_triton_gemv", reason="needs the triton package")
+layers = pytest.importorskip("kernels_reslin_triton_layers", reason="needs the triton package")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+
+
+def on_gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+
+
+@pytest.fixture(params=["launch blocks", "small blocks"])
+def blocks(request, monkeypatch):
+    """The launch's own blocks, or small ones: several chunks along K on both paths (a one-row
+    chunk of 128 positions, a tl.dot chunk of 64 or one head) and as many outputs a program as
+    the tile allows (then N's last block is part empty)."""
+    if request.param == "small blocks":
+        monkeypatch.setattr(gemv, "MAX_BLOCK_K", 128)
+        monkeypatch.setattr(gemv, "DOT_BLOCK_K", 64)
+        monkeypatch.setattr(gemv, "PROGRAMS_TO_FILL", 1)
+    return request.param
+
+
+def rms_norm64(x, weight, eps=EPS):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def gated_head_norm64(o, gate, weight, head_dim):
+    heads = rms_norm64(o.unflatten(-1, (-1, head_dim)), weight).flatten(-2)
+    return heads * F.silu(gate.double())
+
+
+def fp32_reference(name, inputs, head_dim=None):
+    """What each entry point computes, in float64 without any rounding in between."""
+    if name == "rms_norm_linear":
+        x, norm_weight, weight = inputs
+        return rms_norm64(x, norm_weight) @ weight.double().T
+    if name == "rms_norm_swiglu":
+        x, norm_weight, gate_weight, up_weight = inputs
+        xn = rms_norm64(x, norm_weight)
+        return F.silu(xn @ gate_weight.double().T) * (xn @ up_weight.double().T)
+    if name == "gated_rms_norm_linear":
+        o, gate, norm_weight, weight, residual = inputs
+        return residual.double() + gated_head_norm64(o, gate, norm_weight, head_dim) @ weight.double().T
+    x, weight, residual = inputs
+    return residual.double() + x.double() @ weight.double().T
+
+
+def fused(name, inputs, head_dim=None):
+    if name == "rms_norm_linear":
+        x, norm_weight, weight = inputs
+        return gemv.rms_norm_linear(x, norm_weight, EPS, weight)
+    if name == "rms_norm_swiglu":
+        x, norm_weight, gate_weight, up_weight = inputs
+        return gemv.rms_norm_swiglu(x, norm_weight, EPS, gate_weight, up_weight)
+    if name == "gated_rms_norm_linear":
+        o, gate, norm_weight, weight, residual = inputs
+        return gemv.gated_rms_norm_linear(o, gate, norm_weight, EPS, head_dim, weight, residual)
+    return gemv.linear_residual(*inputs)
+
+
+def unfused(reslin, name, inputs, head_dim=None, fused_layers=False):
+    """The composition the model runs today: its norm modules (fused_layers: their Triton kernels,
+    as on CUDA) and nn.Linear's F.linear, SwiGLU (the Triton kernel with fused_layers), the
+    residual add of two tensors of the input's dtype."""
+    modeling = reslin.modeling
+    if name == "gated_rms_norm_linear":
+        o, gate, norm_weight, weight, residual = inputs
+        norm = modeling.ResLinGatedRMSNorm(head_dim, eps=EPS, fused=fused_layers).to(o.device, o.dtype)
+        norm.weight.data.copy_(norm_weight)
+        o_proj = torch.nn.Linear(o.shape[-1], weight.shape[0], bias=False).to(o.device, o.dtype)
+        o_proj.weight.data.copy_(weight)
+        heads = o.unflatten(-1, (-1, head_dim))
+        projected, = norm(heads, gate.unflatten(-1, (-1, head_dim)), (o_proj,))
+        return residual + projected
+    if name == "linear_residual":
+        x, weight, residual = inputs
+        return residual + F.linear(x, weight)
+    x, norm_weight, *weights = inputs
+    norm = modeling.ResLinRMSNorm(x.shape[-1], eps=EPS, fused=fused_layers).to(x.device, x.dtype)
+    norm.weight.data.copy_(norm_weight)
+    xn = norm(x)
+    if name == "rms_norm_linear":
+        return F.linear(xn, weights[0])
+    gate, up = (F.linear(xn, w) for w in weights)
+    return layers.swiglu(gate, up) if fused_layers else F.silu(gate) * up
+
+
+def make_inputs(name, lead, K, N, head_dim=None, dtype=torch.float32, device=DEVICE, seed=0):
+    """Random inputs of entry point `name`: activations [*lead, K] (or [*lead, N]), weights [N, K]
+    scaled as an initialised model's, norm weights about 1. The gated norm's gate is a column
+    slice of a wider tensor, as a generation step's gate comes out of the in-projection's GEMM."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0, mean=0.0):
+        return (mean + scale * torch.randn(*shape, generator=gen)).to(device, dtype)
+
+    def weight(rows=N):
+        return randn(rows, K, scale=K ** -0.5)
+
+    if name == "rms_norm_linear":
+        return randn(*lead, K), randn(K, scale=0.3, mean=1.0), weight()
+    if name == "rms_norm_swiglu":
+        return randn(*lead, K), randn(K, scale=0.3, mean=1.0), weight(), weight()
+    if name == "gated_rms_norm_linear":
+        wide = randn(*lead, K + 40)
+        return randn(*lead, K), wide[..., 24:24 + K], randn(head_dim, scale=0.3, mean=1.0), weight(), randn(*lead, N)
+    return randn(*lead, K), weight(), randn(*lead, N)
+
+
+ENTRY_POINTS = ["rms_norm_linear", "rms_norm_swiglu", "gated_rms_norm_linear", "linear_residual"]
+# Leading dims (a decode step's [B, 1] and flat rows): 1 row (the one-row path), 3 and 16 (one
+# tl.dot tile) and 17 (two).
+LEADS = [(1, 1), (3, 1), (16,), (17,)]
+# (K, N): neither a multiple of any block; K past one chunk of 128 and of 256, N past a program's
+# outputs (the interpreter runs programs one by one: at most a few hundred a case).
+SIZES = [(200, 300), (1000, 37)]
+# (heads, head_dim) of the gated norm: 48 (64 lanes, 16 masked) and 128, N not a power of two.
+HEADS = [(7, 48, 40), (3, 128, 100)]
+
+
+def check(reslin, name, lead, K, N, head_dim=None):
+    inputs = make_inputs(name, lead, K, N, head_dim)
+    with torch.no_grad():
+        y = fused(name, inputs, head_dim)
+        expected = unfused(reslin, name, inputs, head_dim)
+    assert y.shape == (*lead, N) and y.dtype == inputs[0].dtype
+    assert rel_err(y, fp32_reference(name, inputs, head_dim)) <= 1e-5
+    assert rel_err(y, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("lead", LEADS, ids=str)
+@pytest.mark.parametrize("K,N", SIZES, ids=str)
+@pytest.mark.parametrize("name", ["rms_norm_linear", "rms_norm_swiglu", "linear_residual"])
+def test_products_match_the_reference(reslin, blocks, name, K, N, lead):
+    check(reslin, name, lead, K, N)
+
+
+@pytest.mark.parametrize("lead", LEADS, ids=str)
+@pytest.mark.parametrize("heads,head_dim,N", HEADS, ids=str)
+def test_gated_head_norm_product_matches_the_reference(reslin, blocks, heads, head_dim, N, lead):
+    check(reslin, "gated_rms_norm_linear", lead, heads * head_dim, N, head_dim)
+
+
+def test_strided_rows_read_in_place():
+    """x, gate and residual with rows further apart than their width (column slices of wider
+    tensors) give exactly what their contiguous copies give; no rows gives no rows."""
+    torch.manual_seed(0)
+    K, N, head_dim = 96, 24, 48
+    wide_x, wide_gate, wide_residual = torch.randn(5, K + 8), torch.randn(5, K + 40), torch.randn(5, N + 3)
+    x, gate, residual = wide_x[:, 8:], wide_gate[:, 40:], wide_residual[:, :N]
+    norm_weight, head_weight, weight = torch.randn(K), torch.randn(head_dim), torch.randn(N, K)
+    for call in (lambda x, g, r: gemv.rms_norm_linear(x, norm_weight, EPS, weight),
+                 lambda x, g, r: gemv.rms_norm_swiglu(x, norm_weight, EPS, weight, weight.flip(0)),
+                 lambda x, g, r: gemv.gated_rms_norm_linear(x, g, head_weight, EPS, head_dim, weight, r),
+                 lambda x, g, r: gemv.linear_residual(x, weight, r)):
+        assert torch.equal(call(x, gate, residual), call(x.contiguous(), gate.contiguous(), residual.contiguous()))
+        assert call(x[:0], gate[:0], residual[:0]).shape == (0, N)
+
+
+def test_bad_inputs_raise():
+    K, N, head_dim = 64, 16, 32
+    x, weight, residual = torch.randn(2, 1, K), torch.randn(N, K), torch.randn(2, 1, N)
+    norm_weight, head_weight = torch.ones(K), torch.ones(head_dim)
+    cases = [
+        ("x must be a tensor", lambda: gemv.rms_norm_linear(torch.randn(2, K + 1), norm_weight, EPS, weight)),
+        ("x must be float32", lambda: gemv.linear_residual(torch.ones(2, 1, K, dtype=torch.int64), weight, residual)),
+        ("weight must be a tensor", lambda: gemv.rms_norm_linear(x, norm_weight, EPS, weight[0])),
+        ("weight must be contiguous", lambda: gemv.linear_residual(x, torch.randn(K, N).T, residual)),
+        ("weight must be of x's dtype", lambda: gemv.rms_norm_linear(x, norm_weight, EPS, weight.double())),
+        ("norm_weight must be", lambda: gemv.rms_norm_linear(x, torch.ones(K + 1), EPS, weight)),
+        ("norm_weight must be", lambda: gemv.rms_norm_linear(x, torch.ones(K, dtype=torch.int32), EPS, weight)),
+        ("up_weight must be", lambda: gemv.rms_norm_swiglu(x, norm_weight, EPS, weight, weight[:-1])),
+        ("gate must be", lambda: gemv.gated_rms_norm_linear(x, x[:1], head_weight, EPS, head_dim, weight, residual)),
+        ("head_dim must be", lambda: gemv.gated_rms_norm_linear(x, x, head_weight, EPS, 48, weight, residual)),
+        ("norm_weight must be", lambda: gemv.gated_rms_norm_linear(x, x, norm_weight, EPS, head_dim, weight,
+                                                                   residual)),
+        ("residual must be", lambda: gemv.linear_residual(x, weight, residual[:, :, :-1])),
+        ("residual must be", lambda: gemv.gated_rms_norm_linear(x, x, head_weight, EPS, head_dim, weight,
+                                                                residual.half())),
+        ("no backward", lambda: gemv.linear_residual(x, weight.requires_grad_(), residual)),
+    ]
+    for message, call in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    with torch.no_grad():  # without grad mode the same call runs
+        gemv.linear_residual(x, weight, residual)
+
+
+# The 400M model's step (hidden 1024, 8 heads of 128, SwiGLU 2816): the in-projection's q, k, v,
+# a, b, gamma (8 heads each) and g rows from the attention norm; o_proj with the gated head norm
+# and the residual; gate and up from the MLP norm; down with the residual.
+REAL_SIZES = [("rms_norm_linear", 1024, 2 * 1024 + 1024 + 3 * 8 + 1024, None),
+              ("gated_rms_norm_linear", 1024, 1024, 128),
+              ("rms_norm_swiglu", 1024, 2816, None),
+              ("linear_residual", 2816, 1024, None)]
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("name,K,N,head_dim", REAL_SIZES, ids=[case[0] for case in REAL_SIZES])
+@on_gpu
+def test_bf16_at_real_sizes(reslin, name, K, N, head_dim, rows):
+    """bf16 compiled at the 400M shapes, a decode step's [B, 1, K]: within bf16 rounding of the
+    fp32 reference (1e-2), and within 1e-3 of the unfused bf16 path that rounds where it does."""
+    inputs = make_inputs(name, (rows, 1), K, N, head_dim, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = fused(name, inputs, head_dim)
+        expected = unfused(reslin, name, inputs, head_dim, fused_layers=True)
+    assert y.shape == expected.shape and y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    assert rel_err(y, fp32_reference(name, [t.float() for t in inputs], head_dim)) <= 1e-2
+    assert rel_err(y, expected) <= 1e-3
