@@ -103,17 +103,36 @@ class ResLinCache:
         self.value_cache[layer_idx] = values[:, :, values.shape[2] - keep:]
         return keys, values
 
+    def held_states(self):
+        """Every state tensor held (convolution inputs, recurrent states, keys and values)."""
+        return [x for i in range(len(self.layer_types))
+                for x in (*(self.conv_states[i] or ()), *(self.recurrent_states[i] or ()), self.key_cache[i],
+                          self.value_cache[i]) if x is not None]
+
+    def save_states(self, saved=None):
+        """A copy of the states and of the token count, for `restore_states`; into `saved`, an
+        earlier save of this cache, when given (no new memory). For a cache whose layers are all
+        recurrent: keys and values grow, and a save of them would not fit a later step."""
+        if any(layer_type != "linear_attention" for layer_type in self.layer_types):
+            raise ValueError("save_states takes a cache of recurrent layers only")
+        states = self.held_states()
+        if saved is None:
+            return self._seen_tokens, [x.clone() for x in states]
+        torch._foreach_copy_(saved[1], states)
+        return self._seen_tokens, saved[1]
+
+    def restore_states(self, saved):
+        """Put back the states and the token count of `save_states`, in place."""
+        self._seen_tokens, copies = saved
+        torch._foreach_copy_(self.held_states(), copies)
+
     def reorder_cache(self, beam_idx):
         """Beam search: row i continues from row beam_idx[i], in place (the states do not move)."""
         if tuple(beam_idx.shape) != (self.batch_size,):
             raise ValueError(f"beam_idx must name one source row for each of the cache's {self.batch_size} rows, "
                              f"got shape {tuple(beam_idx.shape)}")
-        for i in range(len(self.layer_types)):
-            held = (*(self.conv_states[i] or ()), *(self.recurrent_states[i] or ()), self.key_cache[i],
-                    self.value_cache[i])
-            for x in held:
-                if x is not None:
-                    x.copy_(x.index_select(0, beam_idx.to(x.device)))
+        for x in self.held_states():
+            x.copy_(x.index_select(0, beam_idx.to(x.device)))
 
     def crop(self, max_length):
         raise NotImplementedError(

@@ -131,6 +131,12 @@ class ResLinConfig(PretrainedConfig):
             whose layers are all linear attention from a CUDA graph captured at the cache's first step
             (see `ResLinDecodeGraph` in modeling_reslin.py); `False` runs every step eagerly. Read at
             every forward, so `model.config.decode_cuda_graphs = False` takes effect at once.
+        generate_fast_path (`bool`, defaults to `True`): greedy decoding and sampling through `generate` run
+            the model's own loop (generation_reslin.py): the token is chosen on the device, a CUDA
+            step feeds it back to itself, and the host reads tokens every few steps instead of at
+            every one. Settings that loop does not take (beam search, stop strings, logits
+            processors other than temperature, top-k, top-p, min-p and minimum lengths, scores in
+            the output, ...) run transformers' loop, as does `False`.
         tie_word_embeddings (`bool`, defaults to False): share `lm_head` with the input embeddings.
     """
 
@@ -168,6 +174,7 @@ class ResLinConfig(PretrainedConfig):
         initializer_range=0.02,
         kernel_backend="auto",
         decode_cuda_graphs=True,
+        generate_fast_path=True,
         use_cache=True,
         tie_word_embeddings=False,
         pad_token_id=None,
@@ -225,6 +232,7 @@ class ResLinConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.kernel_backend = kernel_backend
         self.decode_cuda_graphs = decode_cuda_graphs
+        self.generate_fast_path = generate_fast_path
         self.use_cache = use_cache
         self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
         # Our checks first: their messages name our fields, where transformers' own would not.
@@ -315,6 +323,7 @@ class ResLinConfig(PretrainedConfig):
             raise ValueError(f"initializer_range must be a number >= 0, got {initializer_range!r}")
         _choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         _choice("decode_cuda_graphs", self.decode_cuda_graphs, (False, True))
+        _choice("generate_fast_path", self.generate_fast_path, (False, True))
         for name in ("pad_token_id", "bos_token_id"):
             token_id = getattr(self, name)
             if token_id is not None and not (isinstance(token_id, int) and 0 <= token_id < self.vocab_size):

@@ -18,8 +18,6 @@ Python costs far more than running them.
 
 import copy
 import math
-import weakref
-from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +38,13 @@ try:
     from .configuration_reslin import ResLinConfig
     from .constants_reslin import MAX_HEAD_DIM  # noqa: F401
     from .context_parallel_reslin import context_parallel_forward  # noqa: F401
+    from .generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run
     from .kernels_reslin import reslin_attention, reslin_decode_step
     from .kernels_reslin_torch import chunk_reslin  # noqa: F401
 except ImportError:
     from cache_reslin import ResLinCache
     from configuration_reslin import ResLinConfig
+    from generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run
     from kernels_reslin import reslin_attention, reslin_decode_step
 try:
     try:
@@ -67,11 +67,6 @@ except ImportError:  # no Triton: the torch code below serves everywhere
     fused_rms_norm = fused_short_convolution = fused_swiglu = fused_gates = None
 
 logger = logging.get_logger(__name__)
-
-# transformers 5.24 renamed the outputs' `past_key_values` field to `cache`; generate reads the
-# cache back under the name its own output classes declare.
-CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
-
 
 def uses_fused_layers(config):
     """Whether the layers may run the fused Triton kernels of kernels_reslin_triton_layers (the
@@ -624,58 +619,6 @@ def check_attention_mask(attention_mask, batch_size, total_length, check_values=
     return None if unpadded else mask
 
 
-class ResLinDecodeGraph:
-    """A generation step of a ResLinModel (embedding, layers, final norm) captured in a CUDA graph
-    for one ResLinCache, and replayed at the cache's later steps.
-
-    Eagerly, a step launches dozens of small kernels a layer from Python, which costs a deep model
-    far more time than running them; a replay launches the whole step at once. The graph reads the
-    token from its own `input_ids` buffer, and the weights and the cache's states at the
-    addresses they had at capture. That holds because the cache advances and reorders its states
-    in place (and drops its graph when it cannot, under autograd), and because the graph notes
-    its model and where the model's embedding lay: a cache used by another model, or a model
-    moved or cast since, is captured again. What a replay cannot see: parameters or modules
-    replaced one by one between two steps of one cache. A new generate call (a new cache)
-    captures afresh; `config.decode_cuda_graphs = False` runs every step eagerly.
-    """
-
-    def __init__(self, model, step, input_ids, stream):
-        self.model = weakref.ref(model)
-        self.weights = model.embeddings.weight.data_ptr()
-        self.input_ids = input_ids.clone()
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local, as torch.compile's CUDA graphs: CUDA work of other threads (another
-        # generation, say) neither breaks the capture nor is refused during it.
-        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
-            self.output = step(self.input_ids)
-
-    @classmethod
-    def capture(cls, model, step, input_ids):
-        """Run `step(input_ids)` once for real, then capture it: (its output, the graph).
-
-        The real run is the warm-up that capture needs (lazy set-ups such as Triton's compilation
-        and cuBLAS's workspace must not happen during capture), on the side stream the capture
-        then uses. It advances the cache by this token; the capture itself runs nothing."""
-        with torch.cuda.device(input_ids.device):
-            current, side = torch.cuda.current_stream(), torch.cuda.Stream()
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                output = step(input_ids)
-            graph = cls(model, step, input_ids, side)
-            current.wait_stream(side)
-            output.record_stream(current)  # made on the side stream, read on this one
-        return output, graph
-
-    def serves(self, model):
-        return self.model() is model and model.embeddings.weight.data_ptr() == self.weights
-
-    def replay(self, input_ids):
-        self.input_ids.copy_(input_ids)
-        self.graph.replay()
-        # A copy: the next replay overwrites `output`, and the caller may keep this step's.
-        return self.output.clone()
-
-
 class ResLinModel(ResLinPreTrainedModel):
     def __init__(self, config):
         # Again here: from_pretrained(..., field=value) sets fields after the config's own checks ran.
@@ -749,10 +692,8 @@ class ResLinModel(ResLinPreTrainedModel):
 
         hidden_states = all_hidden_states = None
         # Stacks with attention layers decode eagerly: their key/value caches grow at every step.
-        if (decode_step and input_ids is not None and input_ids.is_cuda and self.config.decode_cuda_graphs
-                and "full_attention" not in self.config.layer_types and not output_hidden_states
-                and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                and not torch.cuda.is_current_stream_capturing()):
+        if (decode_step and input_ids is not None and "full_attention" not in self.config.layer_types
+                and not output_hidden_states and not torch.is_grad_enabled()):
             hidden_states = self.decode_with_graph(input_ids, cache)
         if hidden_states is None:
             if input_ids is not None:
@@ -785,15 +726,13 @@ class ResLinModel(ResLinPreTrainedModel):
         return hidden_states, all_hidden_states
 
     def decode_with_graph(self, input_ids, cache):
-        """A generation step from the cache's CUDA graph (ResLinDecodeGraph), captured at its first
-        step; None, to run eagerly, where the states or the weights are not all on the input's
-        device (a cache filled elsewhere, a model split across devices or offloaded)."""
+        """A generation step from the cache's CUDA graph (generation_reslin.ResLinDecodeGraph),
+        captured at its first step; None, to run eagerly, where a graph cannot run there."""
         graph = cache.decode_graph
         if graph is not None and graph.serves(self):
-            return graph.replay(input_ids)
-        device = input_ids.device
-        if not (all(state is not None and state[0].device == device for state in cache.recurrent_states)
-                and all(p.device == device for p in self.parameters())):
+            # A copy: the next replay overwrites the graph's output, and the caller may keep this step's.
+            return graph.replay(input_ids).clone()
+        if not graph_can_run(self, cache, input_ids.device):
             return None
         cache.decode_graph = None  # release a stale graph's memory before capturing anew
 
@@ -966,6 +905,18 @@ class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
                              f"need the recurrent state rolled back, which ResLin's cache cannot do. Generate "
                              f"without them.")
         return super().generate(inputs, generation_config, **kwargs)
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        """Greedy decoding and sampling: ResLin's own loop (generation_reslin.DeviceDecoding, the
+        same tokens with the host reading them every few steps) where it takes the settings,
+        transformers' otherwise."""
+        decoding = DeviceDecoding.plan(self, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                                       model_kwargs)
+        if decoding is None:
+            return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                                   streamer, **model_kwargs)
+        return decoding.run(self, input_ids, generation_config, streamer, model_kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, **kwargs):
         # (generate checks this signature for `inputs_embeds` before it accepts them.)

@@ -1,0 +1,272 @@
+"""Generation machinery of ResLin models: the CUDA graph of a step, and `generate`'s own loop.
+
+transformers' loop (GenerationMixin._sample) runs each step from Python and reads every chosen
+token and the stop decision on the host: one device sync a token, and about a millisecond of host
+time a token that a small model's step on a GPU does not hide. `DeviceDecoding` runs the same
+steps with the token chosen on the device. A step (the layers, the logits' processing, the
+choice, the end-of-sequence bookkeeping) writes its token where the next step reads it, so on
+CUDA one graph is replayed back to back, and the host reads the tokens every `TOKENS_PER_SYNC`
+steps. It takes only what it reproduces exactly: greedy decoding and sampling with temperature,
+top-k, top-p, min-p and minimum lengths, stopped by a length and end-of-sequence ids. The
+logits, the processors (transformers' own objects) and the draw (torch.multinomial's exponential
+race, from the same generator) are those of transformers' loop, so the tokens are too. Anything
+else runs transformers' loop.
+"""
+
+import weakref
+from dataclasses import fields
+
+import torch
+import torch.nn.functional as F
+from transformers.generation.logits_process import (
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+# transformers 5.24 renamed the outputs' `past_key_values` field to `cache`; generate reads the
+# cache back under the name its own output classes declare.
+CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
+GENERATE_CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(GenerateDecoderOnlyOutput)} else "past_key_values"
+
+# Steps between two reads of the tokens by the host. The loop may run up to this many steps
+# past the last sequence's end, whose tokens it drops (at 2,000 tokens/s, 8 ms); a streamer
+# receives tokens in bursts of this many.
+TOKENS_PER_SYNC = 16
+# Processors that read nothing but the scores: called as they are, inside a CUDA graph too.
+SCORE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+# Options whose outputs the loop does not collect.
+PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+class ResLinDecodeGraph:
+    """A generation step captured in a CUDA graph, replayed at later steps.
+
+    Eagerly, a step launches dozens of small kernels a layer from Python, which costs a deep model
+    far more time than running them; a replay launches the whole step at once. The graph reads its
+    inputs from its own buffers (`inputs`), and the weights and the cache's states at the addresses
+    they had at capture. That holds because the cache advances and reorders its states in place
+    (and drops a graph it holds when it cannot, under autograd), and because the graph notes its
+    model and where the model's input embedding lay: a graph is not used for another model, or for
+    a model moved or cast since. What a replay cannot see: parameters or modules replaced one by
+    one between two steps. `config.decode_cuda_graphs = False` runs every step eagerly.
+    """
+
+    def __init__(self, model, step, inputs, stream):
+        self.model = weakref.ref(model)
+        self.weights = model.get_input_embeddings().weight.data_ptr()
+        self.inputs = tuple(x.clone() for x in inputs)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local, as torch.compile's CUDA graphs: CUDA work of other threads (another
+        # generation, say) neither breaks the capture nor is refused during it.
+        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+            self.output = step(*self.inputs)
+
+    @classmethod
+    def capture(cls, model, step, *inputs):
+        """Run `step(*inputs)` once for real, then capture it: (its output, the graph).
+
+        The real run is the warm-up that capture needs (lazy set-ups such as Triton's compilation
+        and cuBLAS's workspace must not happen during capture), on the side stream the capture
+        then uses. It is the step's first run; the capture itself runs nothing."""
+        device = next(model.parameters()).device
+        with torch.cuda.device(device):
+            current, side = torch.cuda.current_stream(), torch.cuda.Stream()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                output = step(*inputs)
+            graph = cls(model, step, inputs, side)
+            current.wait_stream(side)
+            if output is not None:
+                output.record_stream(current)  # made on the side stream, read on this one
+        return output, graph
+
+    def serves(self, model):
+        return self.model() is model and model.get_input_embeddings().weight.data_ptr() == self.weights
+
+    def replay(self, *inputs):
+        """Replay with `inputs` copied into the graph's buffers; returns the graph's own output
+        tensor, which the next replay overwrites."""
+        for buffer, x in zip(self.inputs, inputs):
+            buffer.copy_(x)
+        self.graph.replay()
+        return self.output
+
+
+def graph_can_run(model, cache, device):
+    """Whether a generation step of `model` on `device` may be captured: every weight and every
+    recurrent state there (not a cache filled elsewhere, nor a model split across devices or
+    offloaded), outside compilation and outside another capture."""
+    return (device.type == "cuda" and model.config.decode_cuda_graphs and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing()
+            and all(state is not None and state[0].device == device for state in cache.recurrent_states)
+            and all(p.device == device for p in model.parameters()))
+
+
+class DeviceDecoding:
+    """GenerationMixin._sample's loop for a ResLinForCausalLM whose layers are all recurrent, with
+    the token chosen on the device (module docstring). Built by `plan`, which returns None where
+    the settings need transformers' loop; `run` then takes _sample's arguments."""
+
+    def __init__(self, do_sample, processors, max_length, eos_token_id, pad_token_id):
+        self.do_sample = do_sample
+        self.processors = processors  # score processors, and (min_length, eos ids) masks, in order
+        self.max_length = max_length
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+
+    @classmethod
+    def plan(cls, model, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs):
+        config = model.config
+        if (not config.generate_fast_path or synced_gpus or getattr(generation_config, "is_assistant", False)
+                or "full_attention" in config.layer_types or not model_kwargs.get("use_cache", True)):
+            return None
+        if generation_config.return_dict_in_generate and any(getattr(generation_config, name, False)
+                                                             for name in PER_STEP_OUTPUTS):
+            return None
+        processors = []
+        for processor in logits_processor:
+            if type(processor) in SCORE_PROCESSORS:
+                processors.append(processor)
+            elif type(processor) is MinLengthLogitsProcessor:
+                processors.append((processor.min_length, processor.eos_token_id))
+            elif type(processor) is MinNewTokensLengthLogitsProcessor:
+                processors.append((processor.prompt_length_to_skip + processor.min_new_tokens, processor.eos_token_id))
+            else:
+                return None
+        max_length, eos_token_id = None, None
+        for criterion in stopping_criteria:
+            if type(criterion) is MaxLengthCriteria:
+                max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+            elif type(criterion) is EosTokenCriteria:
+                ids = criterion.eos_token_id.flatten()
+                eos_token_id = ids if eos_token_id is None else torch.cat([eos_token_id, ids.to(eos_token_id.device)])
+            else:
+                return None
+        pad_token_id = generation_config._pad_token_tensor
+        if max_length is None or (eos_token_id is not None and pad_token_id is None):
+            return None
+        return cls(generation_config.do_sample, processors, max_length, eos_token_id, pad_token_id)
+
+    def run(self, model, input_ids, generation_config, streamer, model_kwargs):
+        # The cache outlives generate when the caller passed it or asked for it back: it must then
+        # have seen exactly the tokens transformers' loop would have fed it.
+        cache_outlives = generation_config.return_dict_in_generate or any(
+            model_kwargs.get(name) is not None for name in ("cache", "past_key_values"))
+        outputs = model._prefill(input_ids, generation_config, model_kwargs)
+        cache = getattr(outputs, CACHE_FIELD)
+        device = input_ids.device
+        batch_size, length = input_ids.shape
+        new_tokens = max(self.max_length - length, 1)  # transformers' loop always chooses one
+        steps = _Steps(self, model, cache, batch_size, length, new_tokens, device)
+        steps.choose(outputs.logits[:, -1].to(dtype=torch.float32, device=device))
+        del outputs  # the prompt's logits
+        produced, finished = steps.read(0, 1, streamer)
+        saved = None
+        while produced < new_tokens and not finished:
+            block = min(TOKENS_PER_SYNC, new_tokens - produced)
+            if cache_outlives:
+                saved = cache.save_states(saved)
+            for _ in range(block):
+                steps.run()
+            cache.advance(block)
+            valid, finished = steps.read(produced, block, streamer)
+            if valid < block and cache_outlives:
+                # Every sequence ended inside the block: undo the steps past the end, then feed the
+                # block's inputs again up to it (the chosen tokens stand).
+                cache.restore_states(saved)
+                for column in range(produced - 1, produced - 1 + valid):
+                    steps.advance(steps.sequences[:, column:column + 1])
+                cache.advance(valid)
+            produced += valid
+        if streamer is not None:
+            streamer.end()
+        sequences = torch.cat([input_ids, steps.sequences[:, :produced]], dim=-1)
+        if generation_config.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=sequences, **{GENERATE_CACHE_FIELD: cache})
+        return sequences
+
+
+class _Steps:
+    """The device-side state of one DeviceDecoding run and its step: the tokens chosen so far, the
+    rows not yet ended, the length for the minimum-length masks, and the CUDA graph of a step."""
+
+    def __init__(self, decoding, model, cache, batch_size, length, new_tokens, device):
+        self.decoding, self.model, self.cache, self.device = decoding, model, cache, device
+        self.sequences = torch.zeros(batch_size, new_tokens, dtype=torch.long, device=device)
+        self.any_unfinished = torch.zeros(new_tokens, dtype=torch.bool, device=device)  # after each token
+        self.unfinished = torch.ones(batch_size, dtype=torch.bool, device=device)
+        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # the next step's input
+        self.position = torch.zeros(1, dtype=torch.long, device=device)  # the next token's column
+        self.length = torch.full((), length, dtype=torch.long, device=device)  # the sequences' length
+        self.eos_token_id = None if decoding.eos_token_id is None else decoding.eos_token_id.to(device)
+        self.pad_token_id = None if decoding.pad_token_id is None else decoding.pad_token_id.to(device)
+        # A minimum-length processor as (min_length, its end-of-sequence ids as a vocabulary mask).
+        vocabulary = torch.arange(model.config.vocab_size, device=device)
+        self.processors = [processor if not isinstance(processor, tuple)
+                           else (processor[0], torch.isin(vocabulary, processor[1].to(device)))
+                           for processor in decoding.processors]
+        self.graph = None
+        self.use_graph = graph_can_run(model, cache, device)
+
+    def choose(self, logits):
+        """The next token of every row from its logits [B, V] in fp32, as transformers' loop
+        chooses it, written to `sequences` and to the next step's input."""
+        scores = logits
+        for processor in self.processors:
+            if isinstance(processor, tuple):
+                min_length, eos_mask = processor
+                scores = scores.masked_fill(eos_mask & (self.length < min_length), -float("inf"))
+            else:
+                scores = processor(self.sequences, scores)
+        if self.decoding.do_sample:
+            # torch.multinomial's own draw of one sample (the exponential race), without its checks,
+            # which read the probabilities on the host.
+            probabilities = F.softmax(scores, dim=-1)
+            token = (probabilities / torch.empty_like(probabilities).exponential_(1)).argmax(-1)
+        else:
+            token = scores.argmax(-1)
+        if self.eos_token_id is not None:
+            token = torch.where(self.unfinished, token, self.pad_token_id)
+            self.unfinished &= ~torch.isin(token, self.eos_token_id)
+        self.sequences.index_copy_(1, self.position, token[:, None])
+        self.any_unfinished.index_copy_(0, self.position, self.unfinished.any()[None])
+        self.token.copy_(token[:, None])
+        self.position += 1
+        self.length += 1
+
+    def advance(self, token):
+        """The layers on `token` [B, 1]: the cache's states move on; returns the last hidden state."""
+        base = self.model.model
+        return base.run_layers(base.embeddings(token), None, None, self.cache, None, False)[0]
+
+    def step(self):
+        hidden_states = self.advance(self.token)
+        logits = self.model.lm_head(hidden_states[:, -1:])[:, -1]
+        self.choose(logits.to(dtype=torch.float32, device=self.device))
+
+    def run(self):
+        """One step: from the graph once captured (its capture's warm-up is the first step)."""
+        if not self.use_graph:
+            self.step()
+        elif self.graph is None:
+            self.graph = ResLinDecodeGraph.capture(self.model, self.step)[1]
+        else:
+            self.graph.replay()
+
+    def read(self, start, count, streamer):
+        """The host's read of tokens start .. start + count: (how many of them count, whether every
+        row has ended). Tokens after the step at which the last row ended are dropped."""
+        ended = (~self.any_unfinished[start:start + count]).nonzero()
+        valid = int(ended[0]) + 1 if len(ended) else count
+        if streamer is not None:
+            tokens = self.sequences[:, start:start + valid].cpu()
+            for i in range(valid):
+                streamer.put(tokens[:, i].clone())
+        return valid, len(ended) > 0
