@@ -39,7 +39,7 @@ PROGRAMS_TO_FILL = 256
 ONE_ROW_TILE = 4096  # weight elements a one-row program loads at once (32 a thread on 4 warps)
 MAX_BLOCK_K = 4096
 DOT_BLOCK_M = 16  # the smallest tl.dot tile: 2 to 16 rows are one padded tile
-DOT_BLOCK_K = 256
+DOT_BLOCK_K = 256  # for one weight of 2-byte elements; its bytes a stage kept with two weights or fp32
 DOT_STAGES = 4
 
 
@@ -143,10 +143,10 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + outs[None, :], y.to(y_ptr.dtype.element_ty), mask=y_ok)
 
 
-def gemv_launch(M, N, K_span, group_block, weights):
+def gemv_launch(M, N, K_span, group_block, weights, element_bytes):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `_gemv_kernel` for M rows, N outputs,
-    K_span positions in groups of group_block (1 without groups) and `weights` weight matrices (2
-    for SwiGLU).
+    K_span positions in groups of group_block (1 without groups), `weights` weight matrices (2
+    for SwiGLU) of element_bytes each.
 
     One row: a program's chunk spans the whole K where it can (up to MAX_BLOCK_K: the 400M down
     projection's 2816 in a chunk of 4096, its lanes past 2816 masked, which costs issue slots, not
@@ -156,9 +156,11 @@ def gemv_launch(M, N, K_span, group_block, weights):
     read by every program, stays in each SM's L1. Fewer rows a program where that leaves fewer
     than PROGRAMS_TO_FILL programs.
 
-    More rows: tl.dot tiles of 16 rows and BLOCK_N 16 (the smallest tl.dot takes), 32 where N
-    still gives PROGRAMS_TO_FILL / 2 programs (the in-projection), chunks of DOT_BLOCK_K along K
-    that Triton's software pipeline keeps DOT_STAGES deep in flight through shared memory."""
+    More rows: tl.dot tiles of 16 rows and BLOCK_N 16 (the smallest tl.dot takes), 32 for one
+    weight where N still gives PROGRAMS_TO_FILL / 2 programs (the in-projection), chunks along K
+    that Triton's software pipeline keeps DOT_STAGES deep in flight through shared memory: of
+    DOT_BLOCK_K for one bf16 or fp16 weight, as many bytes for two or for fp32 (the fp32 SwiGLU
+    of the 1.3B shape at 256 passed the H200's shared memory)."""
     K_block = max(16, _next_power_of_2(K_span))
     if M == 1:
         BLOCK_K = max(group_block, min(K_block, MAX_BLOCK_K))
@@ -166,8 +168,8 @@ def gemv_launch(M, N, K_span, group_block, weights):
         while BLOCK_N > 1 and _cdiv(N, BLOCK_N) < PROGRAMS_TO_FILL:
             BLOCK_N //= 2
         return 1, BLOCK_N, BLOCK_K, 4, 1
-    BLOCK_N = 32 if _cdiv(N, 32) >= PROGRAMS_TO_FILL // 2 else 16
-    BLOCK_K = max(group_block, min(K_block, DOT_BLOCK_K))
+    BLOCK_N = 32 if weights == 1 and _cdiv(N, 32) >= PROGRAMS_TO_FILL // 2 else 16
+    BLOCK_K = max(group_block, min(K_block, DOT_BLOCK_K * 2 // (weights * element_bytes)))
     return DOT_BLOCK_M, BLOCK_N, BLOCK_K, 4, DOT_STAGES
 
 
@@ -213,27 +215,34 @@ def _check_norm_weight(norm_weight, size, x, what):
     return norm_weight.contiguous()
 
 
+def gemv_config(M, N, K, element_bytes, norm, head_dim=None, swiglu=False, residual=False):
+    """(K_SPAN, constexprs, num_warps, num_stages) of `_gemv_kernel` for M rows of K channels and N
+    outputs of element_bytes each: the host's launch, and tools/compile_for_gpu.py's variants.
+    `head_dim`: the group of the "gated_heads" norm."""
+    group_block = _next_power_of_2(head_dim) if norm == "gated_heads" else None
+    K_span = K // head_dim * group_block if group_block else K
+    BLOCK_M, BLOCK_N, BLOCK_K, warps, stages = gemv_launch(M, N, K_span, group_block or 1, 2 if swiglu else 1,
+                                                           element_bytes)
+    group, group_block = (head_dim, group_block) if group_block else (BLOCK_K, BLOCK_K)  # else a position is a channel
+    constexprs = dict(NORM=norm, SWIGLU=swiglu, RESIDUAL=residual, GROUP=group, GROUP_BLOCK=group_block,
+                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return K_span, constexprs, warps, stages
+
+
 @_on_inputs_device
-def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, group):
-    """y [..., N] in x's dtype; x, gate and residual as row views (`token_rows`), group the norm's
-    channels per group (K without groups)."""
+def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, head_dim=None):
+    """y [..., N] in x's dtype; gate and residual as row views (`token_rows`)."""
     rows = token_rows(x)
     M, K = rows.shape
     N = weight.shape[0]
-    group_block = _next_power_of_2(group) if norm == "gated_heads" else None
-    K_span = K // group * group_block if group_block else K
-    BLOCK_M, BLOCK_N, BLOCK_K, warps, stages = gemv_launch(M, N, K_span, group_block or 1,
-                                                            2 if up_weight is not None else 1)
-    if not group_block:
-        group = group_block = BLOCK_K  # a position is a channel
+    K_span, constexprs, warps, stages = gemv_config(M, N, K, x.element_size(), norm, head_dim, up_weight is not None,
+                                                    residual is not None)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M:
-        _gemv_kernel[(_cdiv(N, BLOCK_N), _cdiv(M, BLOCK_M))](
-            rows, gate, norm_weight, weight, up_weight, residual, y, M, N, K, K_span, rows.stride(0),
-            0 if gate is None else gate.stride(0), 0 if residual is None else residual.stride(0), eps,
-            NORM=norm, SWIGLU=up_weight is not None, RESIDUAL=residual is not None, GROUP=group,
-            GROUP_BLOCK=group_block, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=warps,
-            num_stages=stages)
+        grid = (_cdiv(N, constexprs["BLOCK_N"]), _cdiv(M, constexprs["BLOCK_M"]))
+        _gemv_kernel[grid](rows, gate, norm_weight, weight, up_weight, residual, y, M, N, K, K_span, rows.stride(0),
+                           0 if gate is None else gate.stride(0), 0 if residual is None else residual.stride(0), eps,
+                           **constexprs, num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], N)
 
 
@@ -246,7 +255,7 @@ def rms_norm_linear(x, norm_weight, eps, weight):
     _check_like("weight", weight, x, "x")
     norm_weight = _check_norm_weight(norm_weight, K, x, "x's width")
     _check_no_grad(x, norm_weight, weight)
-    return _launch(x, None, norm_weight, float(eps), weight, None, None, "row", K)
+    return _launch(x, None, norm_weight, float(eps), weight, None, None, "row")
 
 
 def rms_norm_swiglu(x, norm_weight, eps, gate_weight, up_weight):
@@ -261,7 +270,7 @@ def rms_norm_swiglu(x, norm_weight, eps, gate_weight, up_weight):
     _check_like("up_weight", up_weight, x, "x", gate_weight.shape)
     norm_weight = _check_norm_weight(norm_weight, K, x, "x's width")
     _check_no_grad(x, norm_weight, gate_weight, up_weight)
-    return _launch(x, None, norm_weight, float(eps), gate_weight, up_weight, None, "row", K)
+    return _launch(x, None, norm_weight, float(eps), gate_weight, up_weight, None, "row")
 
 
 def gated_rms_norm_linear(o, gate, norm_weight, eps, head_dim, weight, residual):
@@ -295,4 +304,4 @@ def linear_residual(x, weight, residual):
     _check_like("weight", weight, x, "x")
     _check_like("residual", residual, x, "x", (*x.shape[:-1], N))
     _check_no_grad(x, weight, residual)
-    return _launch(x, None, None, 0.0, weight, None, token_rows(residual), "none", K)
+    return _launch(x, None, None, 0.0, weight, None, token_rows(residual), "none")

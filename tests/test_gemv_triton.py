@@ -34,8 +34,8 @@ def on_gpu(test):
 @pytest.fixture(params=["launch blocks", "small blocks"])
 def blocks(request, monkeypatch):
     """The launch's own blocks, or small ones: several chunks along K on both paths (a one-row
-    chunk of 128 positions, a tl.dot chunk of 64 or one head) and as many outputs a program as
-    the tile allows (then N's last block is part empty)."""
+    chunk of 128 positions; a tl.dot chunk of 32 in fp32, 16 for SwiGLU, or one head) and as many
+    outputs a program as the tile allows (then N's last block is part empty)."""
     if request.param == "small blocks":
         monkeypatch.setattr(gemv, "MAX_BLOCK_K", 128)
         monkeypatch.setattr(gemv, "DOT_BLOCK_K", 64)

@@ -1,11 +1,13 @@
 """Compile every chunked Triton kernel, and every fused layer kernel (kernels_reslin_triton_layers,
-and kernels_reslin_triton_decode's decode_inputs), for an H200 (sm_90) on any machine, GPU or not, and check
+kernels_reslin_triton_decode's decode_inputs and the generation step's GEMV kernels of
+kernels_reslin_triton_gemv), for an H200 (sm_90) on any machine, GPU or not, and check
 what the compiler can tell without running: that each variant compiles, and that its shared
 memory fits the GPU (232448 bytes on an H200; a launch past it fails with OutOfResources).
 Device time is scarce: this catches compile errors and shared-memory overflows before a GPU run.
 Register spills are only reported when a kernel is loaded on a GPU.
 
     python tools/compile_for_gpu.py [--head-sizes 64 128 256] [--dtypes bf16 fp32] [--registers] [--layers-only]
+    python tools/compile_for_gpu.py --gemv-only --registers   # kernels_reslin_triton_gemv alone
     python tools/compile_for_gpu.py --head-sizes 128 --dtypes bf16 --registers --cap _chunk_wy_kernel=168
 
 `--cap KERNEL=N` compiles that kernel's every variant at N registers (ptxas's maxnreg) in place
@@ -35,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import kernels_reslin_triton_backward  # noqa: E402
 import kernels_reslin_triton_decode as decode_kernels  # noqa: E402
 import kernels_reslin_triton_forward  # noqa: E402
+import kernels_reslin_triton_gemv as gemv_kernels  # noqa: E402
 import kernels_reslin_triton_launch  # noqa: E402
 import kernels_reslin_triton_layers as layer_kernels  # noqa: E402
 import kernels_reslin_triton_output  # noqa: E402
@@ -148,6 +151,40 @@ def compile_layer_variant(fn, constexprs, absent, pointer_type, num_warps):
     return compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages=3)
 
 
+# A generation step's products (kernels_reslin_triton_gemv) at the 400M and 1.3B shapes (hidden
+# 1024 and 2048, heads of 128, SwiGLU 2816 and 5632), one row and 16: (entry point, K, N, norm,
+# head_dim, SwiGLU, residual). The in-projection's N: q, k, v and g of the hidden width, and a, b
+# and gamma of one value a head.
+GEMV_SHAPES = [(name, K, N, norm, head_dim, swiglu, residual)
+               for hidden, heads, inner in ((1024, 8, 2816), (2048, 16, 5632))
+               for name, K, N, norm, head_dim, swiglu, residual in (
+                   ("rms_norm_linear", hidden, 4 * hidden + 3 * heads, "row", None, False, False),
+                   ("gated_rms_norm_linear", hidden, hidden, "gated_heads", 128, False, True),
+                   ("rms_norm_swiglu", hidden, inner, "row", None, True, False),
+                   ("linear_residual", inner, hidden, "none", None, False, True))]
+
+
+def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, dtype):
+    """`_gemv_kernel` as `kernels_reslin_triton_gemv` launches it for M contiguous rows: every
+    tensor in the input's dtype (a model's norm weights too), integers specialised as a launch
+    specialises them (equal to 1: a constant; multiples of 16 marked so)."""
+    fn = gemv_kernels._gemv_kernel
+    params = list(inspect.signature(fn.kernel.fn).parameters)
+    element_type, pointer_type = DTYPES[dtype]
+    K_span, constexprs, warps, stages = gemv_kernels.gemv_config(M, N, K, element_type.primitive_bitwidth // 8, norm,
+                                                                 head_dim, swiglu, residual)
+    present = dict(gate_ptr=norm == "gated_heads", norm_weight_ptr=norm != "none", up_weight_ptr=swiglu,
+                   residual_ptr=residual)
+    sizes = dict(M=M, N=N, K=K, K_SPAN=K_span, x_stride=K, gate_stride=K if norm == "gated_heads" else 0,
+                 residual_stride=N if residual else 0)
+    constexprs = {**constexprs, **{name: None for name, here in present.items() if not here},
+                  **{name: 1 for name, size in sizes.items() if size == 1}}
+    signature = {name: "constexpr" if name in constexprs else pointer_type if name.endswith("_ptr") else
+                 "fp32" if name == "eps" else "i32" for name in params}
+    aligned = [name for name in params if name.endswith("_ptr") or sizes.get(name, 1) % 16 == 0]
+    return compile_for_sm90(fn, signature, constexprs, aligned, warps, stages), constexprs, warps, stages
+
+
 def registers(compiled):
     """ptxas's register and spill report for the compiled variant (Triton bundles ptxas), e.g.
     "117 registers, 0 bytes spill stores": spills cost local-memory traffic in a hot loop."""
@@ -169,6 +206,7 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
     parser.add_argument("--registers", action="store_true", help="also ptxas's registers and spills per variant")
     parser.add_argument("--layers-only", action="store_true", help="only the fused layer kernels")
+    parser.add_argument("--gemv-only", action="store_true", help="only the generation step's GEMV kernels")
     parser.add_argument("--cap", action="append", default=[], metavar="KERNEL=N",
                         help="compile KERNEL (e.g. _chunk_wy_kernel) at N registers, in place of its launch's cap")
     args = parser.parse_args()
@@ -181,7 +219,7 @@ def main():
     failures = 0
     for dtype in args.dtypes:
         DT, pointer_type = DTYPES[dtype]
-        for head_size in [] if args.layers_only else args.head_sizes:
+        for head_size in [] if args.layers_only or args.gemv_only else args.head_sizes:
             for delta in (True, False):
                 for residual in (False, True):
                     for name, constexprs, warps, stages in tuning.launch_variants(head_size, head_size, delta,
@@ -218,7 +256,7 @@ def main():
                         extra = f", {registers(compiled)}" if args.registers else ""
                         print(f"{label}: {shared:6d} B shared{'' if fits else ' > ' + str(SHARED_MEMORY)}{extra}"
                               f" ({time.time() - start:.0f} s)", flush=True)
-        for fn, constexprs, absent, warps in layer_launches():
+        for fn, constexprs, absent, warps in [] if args.gemv_only else layer_launches():
             flags = " ".join(f"{k}={v}" for k, v in constexprs.items()
                              if isinstance(v, bool) or k in ("BLOCK_N", "BK", "K"))
             label = f"{fn.kernel.fn.__name__:30s} {dtype} {flags}"
@@ -230,6 +268,23 @@ def main():
                 continue
             extra = f", {registers(compiled)}" if args.registers else ""
             print(f"{label}: {compiled.metadata.shared:6d} B shared{extra}", flush=True)
+        for name, K, N, norm, head_dim, swiglu, residual in GEMV_SHAPES:
+            for M in (1, 16):
+                label = f"_gemv_kernel {name:22s} {dtype} M{M} K{K} N{N}"
+                try:
+                    compiled, constexprs, warps, stages = compile_gemv_variant(M, K, N, norm, head_dim, swiglu,
+                                                                               residual, dtype)
+                except Exception as error:  # report every variant, then fail
+                    failures += 1
+                    print(f"{label}: does not compile: {str(error).splitlines()[0][:300]}", flush=True)
+                    continue
+                shared = compiled.metadata.shared
+                fits = shared <= SHARED_MEMORY
+                failures += not fits
+                blocks = " ".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+                extra = f", {registers(compiled)}" if args.registers else ""
+                print(f"{label} {blocks} warps={warps} stages={stages}: {shared:6d} B shared"
+                      f"{'' if fits else ' > ' + str(SHARED_MEMORY)}{extra}", flush=True)
     print(f"{failures} variant(s) failed")
     sys.exit(1 if failures else 0)
 
