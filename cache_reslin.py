@@ -36,8 +36,9 @@ class ResLinCache:
         self.value_cache = [None] * num_layers
         self.sliding_window = config.sliding_window
         self._seen_tokens = 0
-        # modeling_reslin.ResLinDecodeGraph: a generation step captured against this cache's states.
+        # generation_reslin.ResLinDecodeGraph: a generation step captured against this cache's states.
         self.decode_graph = None
+        self.side_by_side = {}  # layer -> (the weights' identity, their concatenation)
 
     @staticmethod
     def signature(config):
@@ -91,6 +92,18 @@ class ResLinCache:
         for old, new in zip(held + self.recurrent_states[layer_idx], conv_states + recurrent_states):
             if new is not old:  # the decode step advances S and R in place already
                 old.copy_(new)
+
+    def side_by_side_weight(self, layer_idx, weights):
+        """`weights` [N_i, K] concatenated into [sum N_i, K] for a generation step's one product over
+        a layer's projections: made at the layer's first step and kept while this cache lives and the
+        weights stay the same tensors, unmodified (about a quarter of a recurrent model's weights).
+        A captured step reads the copy where it lay at capture, so a new copy drops the graph."""
+        identity = tuple((w.data_ptr(), w._version) for w in weights)
+        held = self.side_by_side.get(layer_idx)
+        if held is None or held[0] != identity:
+            held = self.side_by_side[layer_idx] = (identity, torch.cat(weights))
+            self.decode_graph = None
+        return held[1]
 
     def update_attention(self, layer_idx, keys, values):
         """Append this step's keys/values [B, kv_heads, T, D]; return the cached ones followed by them."""

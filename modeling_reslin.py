@@ -11,9 +11,9 @@ Padding: a padded position leaves every state as it found it (its conv input is 
 g = beta = gamma = 0 there), and full attention layers mask padded keys and take RoPE positions
 from the mask, so each row of a padded batch gives the logits of that row run alone.
 
-Generation steps on CUDA: a step of a model whose layers are all linear attention is replayed
-from a CUDA graph (ResLinDecodeGraph), since launching its dozens of small kernels a layer from
-Python costs far more than running them.
+Generation on CUDA: a recurrent block's step runs six fused kernels (ResLinBlock.fused_decode_step),
+a step of a model whose layers are all recurrent is replayed from a CUDA graph, and `generate`
+chooses tokens on the device (generation_reslin.py): a step's launches, not its bytes, are its cost.
 """
 
 import copy
@@ -51,8 +51,9 @@ try:
         from .kernels_reslin_triton import chunk_attention  # noqa: F401
         from .kernels_reslin_triton_backward import chunk_backward  # noqa: F401
         from .kernels_reslin_triton_common import TRITON_DTYPES  # noqa: F401
-        from .kernels_reslin_triton_decode import _decode_step_kernel  # noqa: F401
+        from .kernels_reslin_triton_decode import decode_inputs
         from .kernels_reslin_triton_forward import chunk_forward  # noqa: F401
+        from .kernels_reslin_triton_gemv import gated_rms_norm_linear, linear_residual, rms_norm_linear, rms_norm_swiglu
         from .kernels_reslin_triton_launch import _Launcher  # noqa: F401
         from .kernels_reslin_triton_layers import gates as fused_gates, rms_norm as fused_rms_norm
         from .kernels_reslin_triton_layers import short_convolution as fused_short_convolution, swiglu as fused_swiglu
@@ -61,10 +62,15 @@ try:
         from .kernels_reslin_triton_tuning import CHUNK_SIZE  # noqa: F401
         from .kernels_reslin_triton_wy import _chunk_wy_kernel  # noqa: F401
     except ImportError:
+        from kernels_reslin_triton_decode import decode_inputs
+        from kernels_reslin_triton_gemv import gated_rms_norm_linear, linear_residual, rms_norm_linear, rms_norm_swiglu
         from kernels_reslin_triton_layers import gates as fused_gates, rms_norm as fused_rms_norm
         from kernels_reslin_triton_layers import short_convolution as fused_short_convolution, swiglu as fused_swiglu
 except ImportError:  # no Triton: the torch code below serves everywhere
     fused_rms_norm = fused_short_convolution = fused_swiglu = fused_gates = None
+
+# ResLinBlock.fused_decode_step at up to this many rows (the GEMV kernels' range); False: the unfused step.
+FUSED_DECODE_STEP, FUSED_DECODE_MAX_ROWS = True, 16
 
 logger = logging.get_logger(__name__)
 
@@ -234,18 +240,40 @@ class ResLinLinearAttention(nn.Module):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
 
+    def projections(self):
+        """The input projections, in the order their outputs lie side by side in a generation step's
+        one product: q, k, v, a, b, (c), the output gate."""
+        projections = [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj]
+        if self.use_residual:
+            projections.append(self.gamma_proj)
+        return projections + [self.g_proj]
+
+    def fused_decode_step(self, x, norm, cache):
+        """x + this layer's output at a generation step on CUDA, in four launches (the block's norm
+        with the projections' one product over their weights side by side, kept by the cache; the
+        short convolutions, gates and KLA's step; the decode kernel; the gated output norm with the
+        output projection and the residual add), where the unfused step launches about fourteen."""
+        weight = cache.side_by_side_weight(self.layer_idx, [p.weight for p in self.projections()])
+        projected = rms_norm_linear(x, norm.weight, norm.eps, weight)
+        q, k, v, g, beta, gamma, gamma_write = decode_inputs(
+            projected, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight),
+            cache.conv_states[self.layer_idx], self.A_log, self.dt_bias, num_heads=self.num_heads,
+            head_dim=self.head_dim, num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim,
+            residual=self.use_residual, kaczmarz=self.step_rule == "kaczmarz", kaczmarz_eps=self.kaczmarz_eps)
+        o = reslin_decode_step(q, k, v, g, beta, cache.recurrent_states[self.layer_idx], gamma=gamma,
+                               gamma_write=gamma_write, update=self.update_rule, clip=self.residual_clip,
+                               backend=self.kernel_backend)
+        gate = projected[..., projected.shape[-1] - self.g_proj.out_features:]
+        return gated_rms_norm_linear(o.flatten(-2), gate, self.o_norm.weight, self.o_norm.eps, self.head_v_dim,
+                                     self.o_proj.weight, x)
+
     def input_projections(self, x, norm=None, inference=False):
         """q, k and v before their convolutions, the gates' a, b and c (c None without the residual
         state) and the output norm's gate, of x, or with `norm` of norm(x): the norm then gives the
         projections' outputs itself (the fused path keeps no normed copy of x for their weights'
-        gradients). A generation step on CUDA takes them from one GEMM over the weights side by
-        side: at a few rows each projection is a launch on few SMs (H200, 400M shape, B = 1: about 7
-        us for q, k or v, 4 us for a gate, against one GEMM and the weights' copy). `inference`:
-        autograd is off."""
-        projections = [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj]
-        if self.use_residual:
-            projections.append(self.gamma_proj)
-        projections.append(self.g_proj)
+        gradients). A generation step on CUDA takes them from one GEMM over the weights side by side
+        (at a few rows each projection alone is a launch on few SMs). `inference`: autograd is off."""
+        projections = self.projections()
         if x.shape[1] == 1 and inference and runs_fused(self.fused, x) and all(map(is_plain_linear, projections)):
             x = x if norm is None else norm(x)
             weight = torch.cat([projection.weight for projection in projections])
@@ -439,9 +467,35 @@ class ResLinBlock(GradientCheckpointingLayer):
         self.mlp = ResLinMLP(config)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None):
+        if self.takes_fused_decode_step(hidden_states, cache):
+            return self.fused_decode_step(hidden_states, cache)
         hidden_states = hidden_states + self.attn(hidden_states, attention_mask, position_ids, cache, cu_seqlens,
                                                   norm=self.attn_norm)
         return hidden_states + self.mlp(hidden_states, self.mlp_norm)
+
+
+    def takes_fused_decode_step(self, x, cache):
+        """Whether this block's step runs `fused_decode_step`: one token of few rows on CUDA without
+        autograd, a recurrent layer with its cached states in x's dtype, weights used as they are
+        (plain bias-free nn.Linear layers: no adapters, hooks or offloading)."""
+        if not (FUSED_DECODE_STEP and x.shape[1] == 1 and x.shape[0] <= FUSED_DECODE_MAX_ROWS and cache is not None
+                and not torch.is_grad_enabled() and isinstance(self.attn, ResLinLinearAttention)
+                and runs_fused(self.attn.fused and self.mlp.fused, x)):
+            return False
+        conv_states = cache.conv_states[self.attn.layer_idx]
+        return (conv_states is not None and all(state.dtype == x.dtype and state.is_contiguous() for state in conv_states)
+                and all(map(is_plain_linear, [*self.attn.projections(), self.attn.o_proj, self.mlp.gate_proj,
+                                              self.mlp.up_proj, self.mlp.down_proj])))
+
+    def fused_decode_step(self, hidden_states, cache):
+        """The block at a generation step in six launches (ResLinLinearAttention.fused_decode_step,
+        then the MLP's norm with its gate and up products and SwiGLU, and its down product with the
+        residual add): the same operations as `forward`, rounded at the same points."""
+        hidden_states = self.attn.fused_decode_step(hidden_states, self.attn_norm, cache)
+        mlp = self.mlp
+        up = rms_norm_swiglu(hidden_states, self.mlp_norm.weight, self.mlp_norm.eps, mlp.gate_proj.weight,
+                             mlp.up_proj.weight)
+        return linear_residual(up, mlp.down_proj.weight, hidden_states)
 
 
 class ResLinPreTrainedModel(PreTrainedModel):

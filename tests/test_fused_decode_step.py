@@ -1,0 +1,89 @@
+"""ResLinBlock.fused_decode_step (six launches a block at a generation step) against the block's
+unfused forward: the same hidden states and cache states, step after step.
+
+On a CPU the fused kernels run in Triton's interpreter in fp32 and are called directly (the model
+takes the fused step on CUDA only): hidden states within 1e-4, states within 1e-5. On the GPU
+(`pytest -m gpu`) the model's own switch compares the two paths in bf16 at the 400M block shape:
+hidden states within 2e-2 relative to their scale, greedy tokens equal.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import MIXERS, build_model
+from test_cuda_graphs import state_tensors
+from test_generate import cache_of
+
+LINEAR_MIXERS = [name for name, fields in MIXERS.items() if "layer_types" not in fields]
+
+
+def fused_step(model, token, cache):
+    """A generation step with every block's fused_decode_step called directly; the last hidden state."""
+    base = model.model
+    hidden_states = base.embeddings(token)
+    for block in base.layers:
+        hidden_states = block.fused_decode_step(hidden_states, cache)
+    cache.advance(1)
+    return base.norm(hidden_states)
+
+
+@pytest.mark.parametrize("mixer_name", LINEAR_MIXERS)
+@torch.no_grad()
+def test_fused_step_equals_the_unfused_forward(mixer_name):
+    model = build_model(mixer_name)
+    ids = torch.randint(3, 100, (3, 9))
+    unfused = cache_of(model(ids[:, :6], use_cache=True))
+    fused = copy.deepcopy(unfused)
+    for t in range(6, 9):
+        token = ids[:, t:t + 1]
+        expected = model.model(token, cache=unfused).last_hidden_state
+        torch.testing.assert_close(fused_step(model, token, fused), expected, rtol=1e-4, atol=1e-4)
+        for a, b in zip(state_tensors(fused), state_tensors(unfused)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_step_is_not_taken_where_it_cannot_apply(reslin):
+    model = build_model("rdn")
+    block = model.model.layers[0]
+    cache = cache_of(model(torch.randint(3, 100, (2, 4)), use_cache=True))
+    x = torch.zeros(2, 1, model.config.hidden_size)
+    with torch.no_grad():
+        assert not block.takes_fused_decode_step(x, cache)  # on a CPU
+    assert not block.takes_fused_decode_step(x, None)
+
+
+class TestOnGPU:
+    pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+    @pytest.mark.parametrize("mixer_name", ["gdn", "kla", "rla", "rdn", "rkla", "sgla"])
+    @pytest.mark.parametrize("batch", [1, 16])
+    @torch.no_grad()
+    def test_fused_step_equals_the_unfused_one_in_bf16(self, reslin, mixer_name, batch, monkeypatch):
+        model = build_model(mixer_name, hidden_size=1024, num_heads=8, head_dim=128, intermediate_size=2816,
+                            num_hidden_layers=2, decode_cuda_graphs=False).to("cuda", torch.bfloat16)
+        ids = torch.randint(3, 100, (batch, 33), device="cuda")
+        caches = {}
+        hidden = {}
+        for fused in (True, False):
+            monkeypatch.setattr(reslin.modeling, "FUSED_DECODE_STEP", fused)
+            cache = cache_of(model(ids[:, :32], use_cache=True))
+            hidden[fused] = model.model(ids[:, 32:], cache=cache).last_hidden_state.float()
+            caches[fused] = cache
+        assert model.model.layers[0].takes_fused_decode_step(hidden[True].bfloat16(), caches[True])
+        scale = hidden[False].abs().max()
+        torch.testing.assert_close(hidden[True], hidden[False], rtol=0, atol=2e-2 * float(scale))
+        for a, b in zip(state_tensors(caches[True]), state_tensors(caches[False])):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+    @torch.no_grad()
+    def test_greedy_tokens_equal_the_unfused_step(self, reslin, monkeypatch):
+        model = build_model("rdn", hidden_size=512, num_heads=4, head_dim=128, intermediate_size=1024,
+                            num_hidden_layers=4).to("cuda", torch.bfloat16)
+        ids = torch.randint(3, 100, (4, 64), device="cuda")
+        outputs = []
+        for fused in (True, False):
+            monkeypatch.setattr(reslin.modeling, "FUSED_DECODE_STEP", fused)
+            outputs.append(model.generate(ids, max_new_tokens=48, do_sample=False))
+        assert torch.equal(*outputs)
