@@ -15,6 +15,10 @@ norm and SwiGLU kernels, F.linear and the residual add), which rounds at the sam
 two differ only where fp32 sums taken in another order round to different bf16 neighbours.
 """
 
+import re
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,7 @@ gemv = pytest.importorskip("kernels_reslin_triton_gemv", reason="needs the trito
 layers = pytest.importorskip("kernels_reslin_triton_layers", reason="needs the triton package")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
+REPO = Path(__file__).resolve().parents[1]
 
 
 def on_gpu(test):
@@ -232,3 +237,19 @@ def test_bf16_at_real_sizes(reslin, name, K, N, head_dim, rows):
     assert y.shape == expected.shape and y.dtype == torch.bfloat16 and torch.isfinite(y).all()
     assert rel_err(y, fp32_reference(name, [t.float() for t in inputs], head_dim)) <= 1e-2
     assert rel_err(y, expected) <= 1e-3
+
+
+def test_benchmark_smoke_run_prints_every_row_and_the_sweep(capsys):
+    """benchmarks/bench_gemv.py --smoke: a row per entry point and batch, ours against the unfused
+    path within fp32's rounding (bf16's on a GPU); --sweep ranks the tiles it tried, the launch's
+    pick among them."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_gemv
+
+    bench_gemv.main(["--smoke", "--rows", "1", "2", "--entry-points", "gated_rms_norm_linear", "rms_norm_swiglu"])
+    rows = re.findall(r"^(\w+) +smoke +(\d+) +([\d.]+) .* ([\d.e+-]+)  \(", capsys.readouterr().out, re.M)
+    assert [(name, int(batch)) for name, batch, *_ in rows] == [
+        ("gated_rms_norm_linear", 1), ("gated_rms_norm_linear", 2), ("rms_norm_swiglu", 1), ("rms_norm_swiglu", 2)]
+    assert all(float(us) > 0 and float(error) <= (1e-5 if DEVICE == "cpu" else 1e-3) for *_, us, error in rows)
+    bench_gemv.main(["--smoke", "--rows", "2", "--entry-points", "linear_residual", "--sweep"])
+    assert "<- gemv_launch's pick, " in capsys.readouterr().out

@@ -1,0 +1,204 @@
+"""A generation step's projections: the fused GEMV kernels (kernels_reslin_triton_gemv.py) against
+the unfused path the model runs today, both replayed from CUDA graphs.
+
+For each entry point, shape and batch it prints the time of one call as a generation step's CUDA
+graph sees it: CALLS calls captured in one graph, the graph replayed, the time divided by the
+calls, so that launch gaps count and the host's time does not. The unfused path is what
+modeling_reslin runs at a decode step: the fused rms_norm kernel (with its projections for the
+MLP and the gated output norm), F.linear, the SwiGLU kernel, the residual add; the in-projection's
+weights already side by side (the step concatenates them at every call today, a copy of 8 MB at
+the 400M shape that this leaves out). Beside the times:
+the weight bytes read per call over the time (GB/s, the roofline being the H200's ~4.3 TB/s), the
+ratio ours / unfused, and ours' relative error against the unfused output (bf16: ~1e-3 or less,
+the two rounding at the same points).
+
+The calls cycle through enough copies of the weights to pass the GPU's L2 cache (about 50 MB on
+an H200) twice, as a model's layers do: one matrix read again and again would stay in L2 and
+time its bandwidth, not HBM's.
+
+    python benchmarks/bench_gemv.py [--shapes 400M 1.3B] [--rows 1 4 16] [--calls 50]
+    python benchmarks/bench_gemv.py --sweep --shapes 400M --rows 1 16 --calls 20 --replays 10 \
+        --entry-points rms_norm_linear gated_rms_norm_linear   # other tiles, to tune gemv_launch
+    python benchmarks/bench_gemv.py --smoke   # tiny sizes on a CPU (Triton's interpreter): checks the script runs
+
+--sweep times ours under other launch tiles (BLOCK_N, BLOCK_K, warps, stages) besides
+gemv_launch's own pick, fastest first: what to change in gemv_launch.
+"""
+
+import argparse
+import itertools
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from common import DEVICE, DTYPE, median_ms, print_header
+import kernels_reslin_triton_gemv as gemv
+import kernels_reslin_triton_layers as layers
+
+EPS = 1e-6
+# (hidden, heads of 128, SwiGLU width): the in-projection's rows are q, k, v and g of the hidden
+# width and a, b and gamma of one value a head.
+SHAPES = {"400M": (1024, 8, 2816), "1.3B": (2048, 16, 5632), "smoke": (32, 2, 48)}
+L2_BYTES = 50 * 2**20
+# Each entry point's norm, as `_gemv_kernel` names it.
+ENTRY_POINTS = {"rms_norm_linear": "row", "gated_rms_norm_linear": "gated_heads", "rms_norm_swiglu": "row",
+                "linear_residual": "none"}
+
+
+def problem(name, hidden, heads, inner):
+    """(K, N, head_dim) of an entry point in a block of this shape."""
+    return {"rms_norm_linear": (hidden, 4 * hidden + 3 * heads, None),
+            "gated_rms_norm_linear": (hidden, hidden, hidden // heads),
+            "rms_norm_swiglu": (hidden, inner, None),
+            "linear_residual": (inner, hidden, None)}[name]
+
+
+def launch(name, rows, K, N, head_dim):
+    """gemv_launch's pick for this call, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), and the
+    (K_span, group_block) it was picked for."""
+    K_span, blocks, warps, stages = gemv.gemv_config(rows, N, K, DTYPE.itemsize, ENTRY_POINTS[name], head_dim,
+                                                     name == "rms_norm_swiglu", name.endswith("residual"))
+    tile = (blocks["BLOCK_M"], blocks["BLOCK_N"], blocks["BLOCK_K"], warps, stages)
+    return tile, K_span, blocks["GROUP_BLOCK"] if head_dim else 1
+
+
+def calls(name, rows, K, N, weights, head_dim, copies):
+    """(ours, unfused, ours' relative error against unfused): two callables each making the next
+    call of a cycle over `copies` copies of the weights, on one step's inputs [rows, 1, K]; the
+    error taken on the first copy."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, device=DEVICE, generator=gen)).to(DTYPE)
+
+    x, residual = randn(rows, 1, K), randn(rows, 1, N)
+    gate = randn(rows, 1, K + 24)[..., 24:]  # a column slice, as the in-projection's output gives it
+    norm_weight = 1 + randn(head_dim or K, scale=0.3)
+    matrices = [[randn(N, K, scale=K ** -0.5) for _ in range(weights)] for _ in range(copies)]
+    heads = (rows, 1, K // head_dim, head_dim) if head_dim else None
+
+    def ours(w):
+        if name == "rms_norm_linear":
+            return gemv.rms_norm_linear(x, norm_weight, EPS, *w)
+        if name == "rms_norm_swiglu":
+            return gemv.rms_norm_swiglu(x, norm_weight, EPS, *w)
+        if name == "gated_rms_norm_linear":
+            return gemv.gated_rms_norm_linear(x, gate, norm_weight, EPS, head_dim, *w, residual)
+        return gemv.linear_residual(x, *w, residual)
+
+    def unfused(w):
+        if name == "rms_norm_linear":
+            return F.linear(layers.rms_norm(x, norm_weight, EPS), *w)
+        if name == "rms_norm_swiglu":
+            return layers.swiglu(*layers.rms_norm(x, norm_weight, EPS, projections=w)).view(rows, 1, N)
+        if name == "gated_rms_norm_linear":  # ResLinGatedRMSNorm with o_proj as its projection, the residual add
+            o, = layers.rms_norm(x.view(heads), norm_weight, EPS, gate.view(heads), w)
+            return residual + o.view(rows, 1, N)
+        return residual + F.linear(x, *w)
+    error = rel_err(ours(matrices[0]), unfused(matrices[0]))
+    turn = itertools.cycle(matrices)
+    return lambda: ours(next(turn)), lambda: unfused(next(turn)), error
+
+
+def us_per_call(fn, count, replays):
+    """One call's time in us: on a GPU `count` calls captured in one CUDA graph (after warm-up calls
+    on the capture's stream, which compile), replayed `replays` times, the median replay over
+    `count`; on a CPU the wall clock's median call."""
+    if DEVICE != "cuda":
+        return 1e3 * median_ms(fn, repeats=replays, warmup=1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(count):
+            fn()
+    graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return 1e3 * statistics.median(start.elapsed_time(end) for start, end in events) / count
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def sweep_tiles(rows, N, K_span, group_block, weights):
+    """Launch tiles to try besides gemv_launch's: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    K_block = max(16, 1 << (K_span - 1).bit_length())
+    if rows == 1:
+        tiles = [(1, n, k, w, 1) for n in (1, 2, 4, 8) for k in (512, 1024, 2048, 4096) for w in (4, 8)
+                 if k <= K_block and n * k * weights <= 16384]
+    else:
+        tiles = [(16, n, k, 4, s) for n in (16, 32, 64) for k in (64, 128, 256) for s in (2, 3, 4)
+                 if k <= K_block and n * k * weights <= 8192]
+    return [tile for tile in tiles if tile[2] >= group_block]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["400M", "1.3B"], choices=sorted(SHAPES))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="tokens a step (the batch)")
+    parser.add_argument("--entry-points", nargs="+", default=list(ENTRY_POINTS), choices=ENTRY_POINTS)
+    parser.add_argument("--calls", type=int, default=50, help="calls captured in one CUDA graph")
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true", help="also ours under other launch tiles")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a call a replay (for a CPU)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.shapes, args.calls, args.replays = ["smoke"], 1, 1
+    elif DEVICE != "cuda":
+        parser.error("times a GPU's CUDA graphs: on a CPU only --smoke runs")
+    print_header(f"fused GEMV products against the unfused path, {DTYPE}, {args.calls} calls a CUDA graph")
+    print(f"{'entry point':22} {'shape':5} {'rows':>4} {'ours us':>8} {'GB/s':>6} {'unfused us':>10} {'GB/s':>6} "
+          f"{'ratio':>6} {'rel err':>8}  ours' tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)")
+    with torch.no_grad():
+        for shape in args.shapes:
+            hidden, heads, inner = SHAPES[shape]
+            for name in args.entry_points:
+                K, N, head_dim = problem(name, hidden, heads, inner)
+                weights = 2 if name == "rms_norm_swiglu" else 1
+                for rows in args.rows:
+                    weight_bytes = weights * N * K * DTYPE.itemsize
+                    copies = 1 if args.smoke else -(-2 * L2_BYTES // weight_bytes)
+                    ours, unfused, error = calls(name, rows, K, N, weights, head_dim, copies)
+                    ours_us = us_per_call(ours, args.calls, args.replays)
+                    unfused_us = us_per_call(unfused, args.calls, args.replays)
+                    tile, K_span, group_block = launch(name, rows, K, N, head_dim)
+                    print(f"{name:22} {shape:5} {rows:4d} {ours_us:8.2f} {weight_bytes / ours_us / 1e3:6.0f} "
+                          f"{unfused_us:10.2f} {weight_bytes / unfused_us / 1e3:6.0f} {ours_us / unfused_us:6.2f} "
+                          f"{error:8.1e}  {tile}", flush=True)
+                    if args.sweep:
+                        sweep(ours, tile, rows, N, K_span, group_block, weights, weight_bytes, args)
+
+
+def sweep(ours, pick, rows, N, K_span, group_block, weights, weight_bytes, args):
+    """Ours under each other tile (gemv_launch replaced for the call), fastest first, the pick
+    marked; a tile that does not compile or fit is named with its error."""
+    results = []
+    for tile in [pick] + [t for t in sweep_tiles(rows, N, K_span, group_block, weights) if t != pick]:
+        original = gemv.gemv_launch
+        gemv.gemv_launch = lambda *_, tile=tile: tile
+        try:
+            results.append((us_per_call(ours, args.calls, args.replays), tile))
+        except Exception as error:  # a tile past the shared memory or the registers: the others still run
+            print(f"    {tile}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+        finally:
+            gemv.gemv_launch = original
+    ranked = sorted(results)
+    for rank, (us, tile) in enumerate(ranked):
+        if rank < 8 or tile == pick:
+            mark = f"  <- gemv_launch's pick, {rank + 1} of {len(ranked)}" if tile == pick else ""
+            print(f"    {us:8.2f} us {weight_bytes / us / 1e3:6.0f} GB/s  {tile}{mark}")
+
+
+if __name__ == "__main__":
+    main()
