@@ -36,10 +36,12 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # many loads in flight at once, so the launch has at least this many programs, about two for
 # each of an H200's 132 SMs.
 PROGRAMS_TO_FILL = 256
-ONE_ROW_TILE = 4096  # weight elements a one-row program loads at once (32 a thread on 4 warps)
+# Weight elements a one-row program loads at once: 64 bytes a thread, on 4 warps in 2-byte elements,
+# on 8 in fp32 (on 4, ptxas spilled the fp32 gated norm's program).
+ONE_ROW_TILE = 4096
 MAX_BLOCK_K = 4096
 DOT_BLOCK_M = 16  # the smallest tl.dot tile: 2 to 16 rows are one padded tile
-DOT_BLOCK_K = 256  # for one weight of 2-byte elements; its bytes a stage kept with two weights or fp32
+DOT_BLOCK_K = 256  # one weight of 2-byte elements; two weights or fp32 take as many bytes a stage
 DOT_STAGES = 4
 
 
@@ -62,10 +64,10 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
 
     BLOCK_M == 1 (one token) multiplies the weight tile by the broadcast x row and sums along K:
     every lane loads weight straight into registers, and nothing is padded. From two rows on, a
-    tl.dot of a 16-row tile: a broadcast product of BLOCK_M rows would hold BLOCK_M weight-sized
-    fp32 tiles in registers (spilling from 4 rows on), where the tensor cores take 16 rows at the
-    cost of one, and Triton's software pipeline keeps the next chunks' weight loads in flight in
-    shared memory."""
+    tl.dot of a 16-row tile: a broadcast product of BLOCK_M rows would hold BLOCK_M fp32 products
+    of the weight tile in registers at once, where the tensor cores take 16 rows at the cost of
+    one, and Triton's software pipeline keeps the next chunks' weight loads in flight through
+    shared memory (cp.async; the one-row path's single round of loads needs none)."""
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -151,10 +153,10 @@ def gemv_launch(M, N, K_span, group_block, weights, element_bytes):
     One row: a program's chunk spans the whole K where it can (up to MAX_BLOCK_K: the 400M down
     projection's 2816 in a chunk of 4096, its lanes past 2816 masked, which costs issue slots, not
     bandwidth), so that the product is one round of loads: programs of ONE_ROW_TILE weight
-    elements, many to a SM (4 warps and ~40 registers each), have every weight element in flight
-    at once (K = 1024: tiles of 4 rows; the 400M in-projection's 4120 rows in 1030 programs). x,
-    read by every program, stays in each SM's L1. Fewer rows a program where that leaves fewer
-    than PROGRAMS_TO_FILL programs.
+    elements, many to a SM (4 warps, 8 in fp32, and <= 40 registers each), have every weight
+    element in flight at once (K = 1024: tiles of 4 rows; the 400M in-projection's 4120 rows in
+    1030 programs). x, read by every program, stays in each SM's L1. Fewer rows a program where
+    that leaves fewer than PROGRAMS_TO_FILL programs.
 
     More rows: tl.dot tiles of 16 rows and BLOCK_N 16 (the smallest tl.dot takes), 32 for one
     weight where N still gives PROGRAMS_TO_FILL / 2 programs (the in-projection), chunks along K
@@ -167,7 +169,7 @@ def gemv_launch(M, N, K_span, group_block, weights, element_bytes):
         BLOCK_N = max(1, ONE_ROW_TILE // (weights * BLOCK_K))
         while BLOCK_N > 1 and _cdiv(N, BLOCK_N) < PROGRAMS_TO_FILL:
             BLOCK_N //= 2
-        return 1, BLOCK_N, BLOCK_K, 4, 1
+        return 1, BLOCK_N, BLOCK_K, 2 * element_bytes, 1
     BLOCK_N = 32 if weights == 1 and _cdiv(N, 32) >= PROGRAMS_TO_FILL // 2 else 16
     BLOCK_K = max(group_block, min(K_block, DOT_BLOCK_K * 2 // (weights * element_bytes)))
     return DOT_BLOCK_M, BLOCK_N, BLOCK_K, 4, DOT_STAGES
