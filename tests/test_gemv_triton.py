@@ -10,9 +10,10 @@ that split K into several chunks and put many outputs in a program.
 
 On the GPU (`pytest -m gpu`) the kernels run compiled in bf16 at a 400M model's shapes for 1 and
 16 rows: relative error <= 1e-2 against the fp32 reference (bf16 rounding of the normed input,
-the product and the epilogue), and <= 1e-3 against the unfused bf16 path (the existing fused
-norm and SwiGLU kernels, F.linear and the residual add), which rounds at the same points: the
-two differ only where fp32 sums taken in another order round to different bf16 neighbours.
+the product and the epilogue) and at most 1e-3 above the unfused bf16 path's own (the existing
+fused norm and SwiGLU kernels, F.linear and the residual add), and <= 4e-3, one bf16 rounding,
+against that path: it rounds at the same points, so the two differ only where sums taken in
+another order (cuBLAS may reduce split-K parts in bf16) round to different bf16 neighbours.
 """
 
 import re
@@ -229,14 +230,16 @@ REAL_SIZES = [("rms_norm_linear", 1024, 2 * 1024 + 1024 + 3 * 8 + 1024, None),
 @on_gpu
 def test_bf16_at_real_sizes(reslin, name, K, N, head_dim, rows):
     """bf16 compiled at the 400M shapes, a decode step's [B, 1, K]: within bf16 rounding of the
-    fp32 reference (1e-2), and within 1e-3 of the unfused bf16 path that rounds where it does."""
+    fp32 reference (1e-2) and no further from it than the unfused bf16 path (+ 1e-3), within one
+    bf16 rounding (4e-3) of that path, which rounds where it does."""
     inputs = make_inputs(name, (rows, 1), K, N, head_dim, dtype=torch.bfloat16)
     with torch.no_grad():
         y = fused(name, inputs, head_dim)
         expected = unfused(reslin, name, inputs, head_dim, fused_layers=True)
     assert y.shape == expected.shape and y.dtype == torch.bfloat16 and torch.isfinite(y).all()
-    assert rel_err(y, fp32_reference(name, [t.float() for t in inputs], head_dim)) <= 1e-2
-    assert rel_err(y, expected) <= 1e-3
+    reference = fp32_reference(name, [t.float() for t in inputs], head_dim)
+    assert rel_err(y, reference) <= min(1e-2, rel_err(expected, reference) + 1e-3)
+    assert rel_err(y, expected) <= 4e-3
 
 
 def test_benchmark_smoke_run_prints_every_row_and_the_sweep(capsys):
@@ -250,6 +253,6 @@ def test_benchmark_smoke_run_prints_every_row_and_the_sweep(capsys):
     rows = re.findall(r"^(\w+) +smoke +(\d+) +([\d.]+) .* ([\d.e+-]+)  \(", capsys.readouterr().out, re.M)
     assert [(name, int(batch)) for name, batch, *_ in rows] == [
         ("gated_rms_norm_linear", 1), ("gated_rms_norm_linear", 2), ("rms_norm_swiglu", 1), ("rms_norm_swiglu", 2)]
-    assert all(float(us) > 0 and float(error) <= (1e-5 if DEVICE == "cpu" else 1e-3) for *_, us, error in rows)
+    assert all(float(us) > 0 and float(error) <= (1e-5 if DEVICE == "cpu" else 4e-3) for *_, us, error in rows)
     bench_gemv.main(["--smoke", "--rows", "2", "--entry-points", "linear_residual", "--sweep"])
     assert "<- gemv_launch's pick, " in capsys.readouterr().out
