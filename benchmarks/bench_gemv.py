@@ -27,12 +27,11 @@ gemv_launch's own pick, fastest first: what to change in gemv_launch.
 
 import argparse
 import itertools
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-from common import DEVICE, DTYPE, median_ms, print_header
+from common import DEVICE, DTYPE, graph_replay, median_ms, print_header
 import kernels_reslin_triton_gemv as gemv
 import kernels_reslin_triton_layers as layers
 
@@ -102,29 +101,16 @@ def calls(name, rows, K, N, weights, head_dim, copies):
 
 
 def us_per_call(fn, count, replays):
-    """One call's time in us: on a GPU `count` calls captured in one CUDA graph (after warm-up calls
-    on the capture's stream, which compile), replayed `replays` times, the median replay over
-    `count`; on a CPU the wall clock's median call."""
+    """One call's time in us: on a GPU `count` calls captured in one CUDA graph (common.graph_replay),
+    the median replay over `count`; on a CPU the wall clock's median call."""
     if DEVICE != "cuda":
         return 1e3 * median_ms(fn, repeats=replays, warmup=1)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def calls():
         for _ in range(count):
             fn()
-    graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return 1e3 * statistics.median(start.elapsed_time(end) for start, end in events) / count
+
+    return 1e3 * median_ms(graph_replay(calls), repeats=replays, warmup=1) / count
 
 
 def rel_err(x, ref):

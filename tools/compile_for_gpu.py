@@ -200,6 +200,23 @@ def registers(compiled):
     return f"{used} registers, {spilled} B spilled"
 
 
+def report(label, compile_it, registers_too):
+    """Compile one variant and print its line: 1 if it does not compile or its shared memory does
+    not fit, else 0 (every variant is reported, then the run fails)."""
+    start = time.time()
+    try:
+        compiled = compile_it()
+    except Exception as error:
+        print(f"{label}: does not compile: {str(error).splitlines()[0][:300]}", flush=True)
+        return 1
+    shared = compiled.metadata.shared
+    fits = shared <= SHARED_MEMORY
+    extra = f", {registers(compiled)}" if registers_too else ""
+    print(f"{label}: {shared:6d} B shared{'' if fits else ' > ' + str(SHARED_MEMORY)}{extra}"
+          f" ({time.time() - start:.0f} s)", flush=True)
+    return int(not fits)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-sizes", type=int, nargs="+", default=[64, 128, 256])
@@ -240,51 +257,24 @@ def main():
                                  f"{' pred' if constexprs.get('PRED') else ''}"
                                  f"{' side ' + str(constexprs['SIDE']) if constexprs.get('SIDE') else ''}"
                                  f"{' chunks of ' + str(constexprs['BC']) if constexprs.get('BC', 64) != 64 else ''}")
-                        start = time.time()
-                        try:
-                            maxnreg = caps.get(name, tuning.register_cap(name, delta, residual, head_size,
-                                                                         dtype == "fp32"))
-                            compiled = compile_variant(fn, constexprs, pointer_type, warps, stages, head_size,
-                                                       maxnreg)
-                        except Exception as error:  # report every variant, then fail
-                            failures += 1
-                            print(f"{label}: does not compile: {str(error).splitlines()[0][:300]}", flush=True)
-                            continue
-                        shared = compiled.metadata.shared
-                        fits = shared <= SHARED_MEMORY
-                        failures += not fits
-                        extra = f", {registers(compiled)}" if args.registers else ""
-                        print(f"{label}: {shared:6d} B shared{'' if fits else ' > ' + str(SHARED_MEMORY)}{extra}"
-                              f" ({time.time() - start:.0f} s)", flush=True)
+                        maxnreg = caps.get(name, tuning.register_cap(name, delta, residual, head_size,
+                                                                     dtype == "fp32"))
+                        failures += report(label, lambda: compile_variant(fn, constexprs, pointer_type, warps, stages,
+                                                                          head_size, maxnreg), args.registers)
         for fn, constexprs, absent, warps in [] if args.gemv_only else layer_launches():
             flags = " ".join(f"{k}={v}" for k, v in constexprs.items()
                              if isinstance(v, bool) or k in ("BLOCK_N", "BK", "K"))
             label = f"{fn.kernel.fn.__name__:30s} {dtype} {flags}"
-            try:
-                compiled = compile_layer_variant(fn, constexprs, absent, pointer_type, warps)
-            except Exception as error:  # report every variant, then fail
-                failures += 1
-                print(f"{label}: does not compile: {str(error).splitlines()[0][:300]}", flush=True)
-                continue
-            extra = f", {registers(compiled)}" if args.registers else ""
-            print(f"{label}: {compiled.metadata.shared:6d} B shared{extra}", flush=True)
+            failures += report(label, lambda: compile_layer_variant(fn, constexprs, absent, pointer_type, warps),
+                               args.registers)
         for name, K, N, norm, head_dim, swiglu, residual in GEMV_SHAPES:
             for M in (1, 16):
-                label = f"_gemv_kernel {name:22s} {dtype} M{M} K{K} N{N}"
-                try:
-                    compiled, constexprs, warps, stages = compile_gemv_variant(M, K, N, norm, head_dim, swiglu,
-                                                                               residual, dtype)
-                except Exception as error:  # report every variant, then fail
-                    failures += 1
-                    print(f"{label}: does not compile: {str(error).splitlines()[0][:300]}", flush=True)
-                    continue
-                shared = compiled.metadata.shared
-                fits = shared <= SHARED_MEMORY
-                failures += not fits
+                _, constexprs, warps, stages = gemv_kernels.gemv_config(
+                    M, N, K, DTYPES[dtype][0].primitive_bitwidth // 8, norm, head_dim, swiglu, residual)
                 blocks = " ".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-                extra = f", {registers(compiled)}" if args.registers else ""
-                print(f"{label} {blocks} warps={warps} stages={stages}: {shared:6d} B shared"
-                      f"{'' if fits else ' > ' + str(SHARED_MEMORY)}{extra}", flush=True)
+                label = f"_gemv_kernel {name:22s} {dtype} M{M} K{K} N{N} {blocks} warps={warps} stages={stages}"
+                failures += report(label, lambda: compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual,
+                                                                       dtype)[0], args.registers)
     print(f"{failures} variant(s) failed")
     sys.exit(1 if failures else 0)
 
