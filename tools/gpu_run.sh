@@ -15,6 +15,7 @@
 #   tests-graphs   tests/test_cuda_graphs.py, generation through CUDA graphs (560)
 #   tests-others   the GPU tests of every other file: conversion, fused layers, MQAR, and the two-GPU
 #                tests, which skip on one GPU (560; with tests-graphs it did not end within 560 s)
+#   tests-generation  the generation step's tests: generate's own loop, the fused step, its kernels (560)
 #   The test jobs name every test as it ends (-v), so that a job cut short says what ran.
 #   suite        the whole test suite, compiled kernels (600)
 #   layers       the fused layer kernels' tests and the PEFT tests, all of them compiled (240)
@@ -36,6 +37,7 @@
 #                bench_forward options in $GRAPHS_ARGS ("--rules sgla rla --shapes 8x2048", "--backward")
 #                (540). For changes that show only replayed (launch overlap, PDL): kernel_variants
 #                times kernels and eager calls.
+#   gemv         benchmarks/bench_gemv.py: the fused GEMVs beside the unfused step's kernels, replayed (300)
 #   decode       benchmarks/bench_decode.py: our decode step beside FLA's and FlashInfer's, those that import (240)
 #   generate     benchmarks/bench_generate.py, the 400m shape: every rule, both loops, FLA's generate beside;
 #                more options in $GENERATE_ARGS ("--rules gdn --no-fla", "--top 12") (570: the rows print as measured)
@@ -76,7 +78,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|tests-kernels|tests-graphs|tests-others|suite|layers|convert|forward|backward|forward-graphs|backward-graphs|kernels|variants|variants-forward|variants-graphs|decode|generate|generate-1.3b|training|compile|prefill|context|ddp|compare) ;;
+    tests|tests-kernels|tests-graphs|tests-others|tests-generation|suite|layers|convert|forward|backward|forward-graphs|backward-graphs|kernels|variants|variants-forward|variants-graphs|gemv|decode|generate|generate-1.3b|training|compile|prefill|context|ddp|compare) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -99,6 +101,8 @@ for name in "$@"; do
     tests-graphs) job tests-graphs 560 python3 -m pytest -v -n 4 -p no:cacheprovider -m gpu tests/test_cuda_graphs.py ;;
     tests-others) job tests-others 560 python3 -m pytest -v -n 4 -p no:cacheprovider -m gpu \
       --ignore tests/test_gpu.py --ignore tests/test_cuda_graphs.py ;;
+    tests-generation) job tests-generation 560 python3 -m pytest -v -n 4 -p no:cacheprovider -m gpu \
+      tests/test_generation_loop.py tests/test_fused_decode_step.py tests/test_decode_inputs.py tests/test_gemv_triton.py ;;
     suite) job suite 600 python3 -m pytest -q -n 6 -p no:cacheprovider ;;
     layers) job layers 240 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_layers_triton.py tests/test_peft.py ;;
     convert) job convert 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_convert.py -k gpu_bf16 ;;
@@ -130,6 +134,7 @@ for name in "$@"; do
         echo "== $name"
         python3 benchmarks/bench_forward.py --graphs ${GRAPHS_ARGS:-}
       done' ;;
+    gemv) job gemv 300 python3 benchmarks/bench_gemv.py ;;
     decode) job decode 240 python3 benchmarks/bench_decode.py ;;
     generate) job generate 570 python3 benchmarks/bench_generate.py ${GENERATE_ARGS:-} ;;
     generate-1.3b) job generate-1.3b 570 python3 benchmarks/bench_generate.py --shape 1.3b ${GENERATE_ARGS:-} ;;
