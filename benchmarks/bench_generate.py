@@ -87,12 +87,8 @@ def parameters(model):
     return f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"
 
 
-def loops(model):
-    """[(label, config.generate_fast_path)] to run: the default loop first. A config without the
-    field has one loop only (label "default", nothing set)."""
-    if not hasattr(model.config, "generate_fast_path"):
-        return [("default", None)]
-    return [("fast", True), ("hf", False)]
+# (label, config.generate_fast_path) of the loops each model of ours runs: the default loop first.
+LOOPS = [("fast", True), ("hf", False)]
 
 
 def weight_read_bytes(model, batch):
@@ -319,7 +315,7 @@ def main(argv=None):
         torch.manual_seed(0)
         model = load()
         sizes.append(f"{name} {parameters(model)}")
-        model_loops = [("eager", None)] if name == "FLA gdn" else loops(model)
+        model_loops = [("eager", None)] if name == "FLA gdn" else LOOPS
         for B in args.batches:
             weights, states = weight_read_bytes(model, B), state_bytes(model, prompts[B])
             for loop, fast_path in model_loops:
@@ -330,16 +326,13 @@ def main(argv=None):
         del model
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-        return model_loops
 
     if fla is not None:
         # One call of N tokens: FLA's eager generate takes ~13 s for 256 tokens at the 400m shape.
         run("FLA gdn", lambda: load_fla(shape), whole_repeats=1)
     for rule in dict.fromkeys(["gdn"] + args.rules):
-        our_loops = run(rule, lambda: load_ours(rule, shape, args.kernel_backend), args.repeats)
+        run(rule, lambda: load_ours(rule, shape, args.kernel_backend), args.repeats)
     print("parameters: " + ", ".join(sizes))
-    if our_loops[0][1] is None:
-        print("note: this config has no generate_fast_path: one loop measured, whichever generate runs by default")
     met = sum(table.verdicts)
     print(f"goals: {met} of {len(table.verdicts)} met")
 
