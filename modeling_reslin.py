@@ -39,12 +39,14 @@ try:
     from .constants_reslin import MAX_HEAD_DIM  # noqa: F401
     from .context_parallel_reslin import context_parallel_forward  # noqa: F401
     from .generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run
+    from .inputs_reslin import check_attention_mask, check_input_ids, check_labels, check_model_inputs, check_prompt
     from .kernels_reslin import reslin_attention, reslin_decode_step
     from .kernels_reslin_torch import chunk_reslin  # noqa: F401
 except ImportError:
     from cache_reslin import ResLinCache
     from configuration_reslin import ResLinConfig
     from generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run
+    from inputs_reslin import check_attention_mask, check_input_ids, check_labels, check_model_inputs, check_prompt
     from kernels_reslin import reslin_attention, reslin_decode_step
 try:
     try:
@@ -253,8 +255,8 @@ class ResLinLinearAttention(nn.Module):
         with the projections' one product over their weights side by side, kept by the cache; the
         short convolutions, gates and KLA's step; the decode kernel; the gated output norm with the
         output projection and the residual add), where the unfused step launches about fourteen."""
-        weight = cache.side_by_side_weight(self.layer_idx, [p.weight for p in self.projections()])
-        projected = rms_norm_linear(x, norm.weight, norm.eps, weight)
+        weights = [projection.weight for projection in self.projections()]
+        projected = rms_norm_linear(x, norm.weight, norm.eps, cache.side_by_side_weight(self.layer_idx, weights))
         q, k, v, g, beta, gamma, gamma_write = decode_inputs(
             projected, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight),
             cache.conv_states[self.layer_idx], self.A_log, self.dt_bias, num_heads=self.num_heads,
@@ -267,16 +269,17 @@ class ResLinLinearAttention(nn.Module):
         return gated_rms_norm_linear(o.flatten(-2), gate, self.o_norm.weight, self.o_norm.eps, self.head_v_dim,
                                      self.o_proj.weight, x)
 
-    def input_projections(self, x, norm=None, inference=False):
+    def input_projections(self, x, norm=None, inference=False, cache=None):
         """q, k and v before their convolutions, the gates' a, b and c (c None without the residual
-        state) and the output norm's gate, of x, or with `norm` of norm(x): the norm then gives the
-        projections' outputs itself (the fused path keeps no normed copy of x for their weights'
-        gradients). A generation step on CUDA takes them from one GEMM over the weights side by side
-        (at a few rows each projection alone is a launch on few SMs). `inference`: autograd is off."""
+        state) and the output norm's gate, of x, or with `norm` of norm(x), which then gives the
+        projections' outputs itself (keeping no normed copy of x for their weights' gradients). A
+        generation step on CUDA (`inference`: autograd off) takes them from one GEMM over the
+        weights side by side, which `cache` keeps: each projection alone is a launch on few SMs."""
         projections = self.projections()
         if x.shape[1] == 1 and inference and runs_fused(self.fused, x) and all(map(is_plain_linear, projections)):
             x = x if norm is None else norm(x)
-            weight = torch.cat([projection.weight for projection in projections])
+            weights = [projection.weight for projection in projections]
+            weight = torch.cat(weights) if cache is None else cache.side_by_side_weight(self.layer_idx, weights)
             outputs = F.linear(x, weight).split([projection.out_features for projection in projections], dim=-1)
         elif norm is not None:
             outputs = norm(x, projections)
@@ -316,7 +319,7 @@ class ResLinLinearAttention(nn.Module):
         # Decided once a call and passed down: without autograd a generation step advances the cache's
         # states in place, and the inference-only fused kernels apply.
         inference = not torch.is_grad_enabled()
-        q, k, v, a, b, c, gate = self.input_projections(x, norm, inference)
+        q, k, v, a, b, c, gate = self.input_projections(x, norm, inference, cache)
         q, q_state = self.q_conv1d(q, q_state, positions, self.head_dim, inference)
         k, k_state = self.k_conv1d(k, k_state, positions, None if kaczmarz else self.head_dim, inference)
         v, v_state = self.v_conv1d(v, v_state, positions, None, inference)
@@ -556,121 +559,6 @@ def raw_key_tap_std(config):
 def is_decode_step(cache, num_tokens):
     """A generation step: one token per row, continuing a cache that has seen tokens."""
     return num_tokens == 1 and cache is not None and cache.get_seq_length() > 0
-
-
-def check_input_ids(input_ids, vocab_size):
-    if torch.compiler.is_compiling():
-        # Reading the values on the host would break torch.compile's graph: the device checks them.
-        torch._assert_async(((input_ids >= 0) & (input_ids < vocab_size)).all(),
-                            f"input_ids must lie in [0, vocab_size={vocab_size})")
-        return
-    low, high = torch.stack(torch.aminmax(input_ids)).tolist() if input_ids.numel() else (0, 0)
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
-
-
-def check_integer_tensor(name, value):
-    """A 2-D tensor of integers (token ids, labels, positions), by type, dtype and rank only."""
-    if not torch.is_tensor(value):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integers (torch.long), got dtype {value.dtype}")
-    if value.dim() != 2:
-        raise ValueError(f"{name} must have shape [batch, tokens], got {tuple(value.shape)}")
-
-
-def check_model_inputs(config, input_ids, inputs_embeds, position_ids, cache):
-    """Check what a caller passed to the model's forward, from types, dtypes and shapes only: no
-    value is read, so no device sync, and it runs at every generation step. Returns the batch
-    size and the number of new tokens. (The attention mask is checked by check_attention_mask,
-    which needs the cache's length.)"""
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("Pass exactly one of input_ids and inputs_embeds" +
-                         (", not both" if input_ids is not None else ", got neither"))
-    if input_ids is not None:
-        check_integer_tensor("input_ids", input_ids)
-        name, shape = "input_ids", input_ids.shape
-    else:
-        if not torch.is_tensor(inputs_embeds):
-            raise TypeError(f"inputs_embeds must be a torch.Tensor, got {type(inputs_embeds).__name__}")
-        if not inputs_embeds.is_floating_point():
-            raise TypeError(f"inputs_embeds must be floating point, got dtype {inputs_embeds.dtype}")
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != config.hidden_size:
-            raise ValueError(f"inputs_embeds must have shape [batch, tokens, hidden_size={config.hidden_size}], "
-                             f"got {tuple(inputs_embeds.shape)}")
-        name, shape = "inputs_embeds", inputs_embeds.shape
-    batch_size, num_tokens = shape[:2]
-    if batch_size == 0 or num_tokens == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(shape)}): give at least one row of at least one token")
-    if position_ids is not None:
-        check_integer_tensor("position_ids", position_ids)
-        if position_ids.shape[0] not in (1, batch_size) or position_ids.shape[1] != num_tokens:
-            raise ValueError(f"position_ids must have shape [batch, tokens] = [{batch_size}, {num_tokens}] "
-                             f"(or [1, {num_tokens}]), got {tuple(position_ids.shape)}")
-    # By what it can do rather than its class: a ResLinCache imported through another path
-    # (remote code, the repository's own folder) is another class object.
-    if cache is not None and not callable(getattr(cache, "check_compatible", None)):
-        raise TypeError(f"cache must be a ResLinCache, got {type(cache).__name__}: ResLin layers keep recurrent "
-                        f"states that transformers' caches cannot hold (pass None and the model builds its own)")
-    if cache is not None:
-        cache.check_compatible(config, batch_size)
-    return batch_size, num_tokens
-
-
-def check_prompt(config, input_ids, inputs_embeds, attention_mask):
-    """What generate was given as the prompt: input_ids and/or inputs_embeds (both: the ids are
-    returned as the prompt of the embeddings, so their shapes agree), and the mask over it."""
-    if inputs_embeds is not None:
-        prompt_shape = check_model_inputs(config, None, inputs_embeds, None, None)
-        if input_ids is not None:
-            check_integer_tensor("input_ids", input_ids)
-            if tuple(input_ids.shape) != prompt_shape:
-                raise ValueError(f"input_ids given with inputs_embeds must have their [batch, tokens] = "
-                                 f"{list(prompt_shape)}, got {tuple(input_ids.shape)}")
-    elif input_ids is not None:
-        prompt_shape = check_model_inputs(config, input_ids, None, None, None)
-    else:
-        return  # generate starts from the bos token, or says that there is none
-    if attention_mask is not None:
-        check_attention_mask(attention_mask, *prompt_shape, check_values=False)
-
-
-def check_labels(name, labels, input_shape, num_logits):
-    """`labels` (or `shift_labels`) against the inputs' [batch, tokens] and the logits kept."""
-    check_integer_tensor(name, labels)
-    if tuple(labels.shape) != input_shape:
-        raise ValueError(f"{name} must have the inputs' shape [batch, tokens] = {list(input_shape)}, "
-                         f"got {tuple(labels.shape)}")
-    if num_logits != input_shape[1]:
-        raise ValueError(f"{name} need the logits of every position: pass logits_to_keep=0 (it keeps {num_logits} "
-                         f"of {input_shape[1]})")
-
-
-def check_attention_mask(attention_mask, batch_size, total_length, check_values=True):
-    """Validate a 2-D padding mask; return it as bool, or None when nothing is padded. Without
-    `check_values` only its shape is checked, and it is returned as bool: reading its values
-    costs a device sync."""
-    if not torch.is_tensor(attention_mask):
-        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
-    if attention_mask.is_complex():
-        raise TypeError(f"attention_mask must hold 0 (padding) and 1 (token) as integers, booleans or floats, "
-                        f"got dtype {attention_mask.dtype}")
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch_size, total_length):
-        raise ValueError(f"attention_mask must have shape [batch, past + new tokens] = [{batch_size}, {total_length}], "
-                         f"got {tuple(attention_mask.shape)}")
-    mask = attention_mask != 0
-    if not check_values:
-        return mask
-    runs_of_ones = mask[:, :1].sum(-1) + (mask[:, 1:] & ~mask[:, :-1]).sum(-1)
-    # One device sync for all three checks.
-    binary, contiguous, unpadded = torch.stack(
-        [((attention_mask == 0) | (attention_mask == 1)).all(), (runs_of_ones <= 1).all(), mask.all()]).tolist()
-    if not binary:
-        raise ValueError("attention_mask must contain only 0 (padding) and 1 (token)")
-    if not contiguous:
-        raise ValueError("attention_mask has padding between tokens: each row's ones must be contiguous "
-                         "(left or right padding only)")
-    return None if unpadded else mask
 
 
 class ResLinModel(ResLinPreTrainedModel):
