@@ -234,7 +234,8 @@ class _Steps:
             token = scores.argmax(-1)
         if self.eos_token_id is not None:
             token = torch.where(self.unfinished, token, self.pad_token_id)
-            self.unfinished &= ~torch.isin(token, self.eos_token_id)
+            # (torch.isin sorts, and syncs, past ~10 ids: no sync may happen inside a capture.)
+            self.unfinished &= ~(token[:, None] == self.eos_token_id).any(-1)
         self.sequences.index_copy_(1, self.position, token[:, None])
         self.any_unfinished.index_copy_(0, self.position, self.unfinished.any()[None])
         self.token.copy_(token[:, None])
