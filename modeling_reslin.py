@@ -76,6 +76,7 @@ FUSED_DECODE_STEP, FUSED_DECODE_MAX_ROWS = True, 16
 
 logger = logging.get_logger(__name__)
 
+
 def uses_fused_layers(config):
     """Whether the layers may run the fused Triton kernels of kernels_reslin_triton_layers (the
     kernel backend "torch" keeps the whole model in torch code)."""
@@ -476,7 +477,6 @@ class ResLinBlock(GradientCheckpointingLayer):
                                                   norm=self.attn_norm)
         return hidden_states + self.mlp(hidden_states, self.mlp_norm)
 
-
     def takes_fused_decode_step(self, x, cache):
         """Whether this block's step runs `fused_decode_step`: one token of few rows on CUDA without
         autograd, a recurrent layer with its cached states in x's dtype, weights used as they are
@@ -486,7 +486,8 @@ class ResLinBlock(GradientCheckpointingLayer):
                 and runs_fused(self.attn.fused and self.mlp.fused, x)):
             return False
         conv_states = cache.conv_states[self.attn.layer_idx]
-        return (conv_states is not None and all(state.dtype == x.dtype and state.is_contiguous() for state in conv_states)
+        return (conv_states is not None
+                and all(state.dtype == x.dtype and state.is_contiguous() for state in conv_states)
                 and all(map(is_plain_linear, [*self.attn.projections(), self.attn.o_proj, self.mlp.gate_proj,
                                               self.mlp.up_proj, self.mlp.down_proj])))
 
