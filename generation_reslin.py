@@ -195,7 +195,7 @@ class DeviceDecoding:
 
 class _Steps:
     """The device-side state of one DeviceDecoding run and its step: the tokens chosen so far, the
-    rows not yet ended, the length for the minimum-length masks, and the CUDA graph of a step."""
+    rows not yet ended, and the CUDA graph of a step."""
 
     def __init__(self, decoding, model, cache, batch_size, length, new_tokens, device):
         self.decoding, self.model, self.cache, self.device = decoding, model, cache, device
@@ -204,13 +204,13 @@ class _Steps:
         self.unfinished = torch.ones(batch_size, dtype=torch.bool, device=device)
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # the next step's input
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # the next token's column
-        self.length = torch.full((), length, dtype=torch.long, device=device)  # the sequences' length
         self.eos_token_id = None if decoding.eos_token_id is None else decoding.eos_token_id.to(device)
         self.pad_token_id = None if decoding.pad_token_id is None else decoding.pad_token_id.to(device)
-        # A minimum-length processor as (min_length, its end-of-sequence ids as a vocabulary mask).
+        # A minimum-length processor as (the tokens to choose before its end-of-sequence ids may
+        # come, those ids as a vocabulary mask): the sequences are `length + position` long.
         vocabulary = torch.arange(model.config.vocab_size, device=device)
         self.processors = [processor if not isinstance(processor, tuple)
-                           else (processor[0], torch.isin(vocabulary, processor[1].to(device)))
+                           else (processor[0] - length, torch.isin(vocabulary, processor[1].to(device)))
                            for processor in decoding.processors]
         self.graph = None
         self.use_graph = graph_can_run(model, cache, device)
@@ -221,8 +221,8 @@ class _Steps:
         scores = logits
         for processor in self.processors:
             if isinstance(processor, tuple):
-                min_length, eos_mask = processor
-                scores = scores.masked_fill(eos_mask & (self.length < min_length), -float("inf"))
+                min_new_tokens, eos_mask = processor
+                scores = scores.masked_fill(eos_mask & (self.position < min_new_tokens), -float("inf"))
             else:
                 scores = processor(self.sequences, scores)
         if self.decoding.do_sample:
@@ -240,7 +240,6 @@ class _Steps:
         self.any_unfinished.index_copy_(0, self.position, self.unfinished.any()[None])
         self.token.copy_(token[:, None])
         self.position += 1
-        self.length += 1
 
     def advance(self, token):
         """The layers on `token` [B, 1]: the cache's states move on; returns the last hidden state."""
