@@ -62,9 +62,9 @@ of 0.5M tokens (forward only, ~0.1 s each), so those times bound it. Its steps r
 table's notes. A GPU call is at most 10 minutes and starts a bare machine, so repeat one
 command until the table is whole, bringing back only the small JSON files. The default --results,
 benchmarks/results/compare/, is in the repository (its .gitignore keeps the JSON files only):
-what is committed there is the README's table, and travels to the GPU machine with the tree.
-Its MQAR runs are --mqar-protocol reslin-gap's (recorded so in its comparison.json), so a
-command there with the default kla-authors protocol is refused.
+what is committed there travels to the GPU machine with the tree, so a rerun makes only what is
+missing. benchmarks/results/compare-earlier-defaults/ holds the comparison made before the raw
+keys' initialisation was fixed, with --mqar-protocol reslin-gap (recorded in its comparison.json).
 
     bash tools/gpu_run.sh compare    # on the GPU machine: the runs, then $OUT/compare.tgz
     # then here, in the repository's root: tar xzf <files_at>/compare.tgz, and commit the results;
@@ -322,42 +322,51 @@ def run_concurrently(args, configs, lm_rules, mqar_rules):
     first_lm = next((run for run in pending if run[0] == "lm"), None)
     if first_lm:
         print_epochs(lm_run_argv(configs["lm"]["argv"], *first_lm[1:], args.results))  # the data, once for all
-    print(f"compare: {len(pending)} runs to make, {args.jobs} at once (logs in {args.results / 'logs'})", flush=True)
-    (args.results / "logs").mkdir(parents=True, exist_ok=True)
+    runs = [(f"{part}-{rule}-seed{seed}",
+             [sys.executable, __file__, "--results", str(args.results), "--parts", part, "--rules", rule,
+              "--seeds", str(seed), *configs[part]["flags"]]) for part, rule, seed in pending]
+    return run_processes(runs, args.jobs, args.start_within, args.results / "logs", "compare")
+
+
+def run_processes(runs, jobs, start_within, logs, tag):
+    """Each (name, command) of `runs` as its own process, `jobs` at once, in order, its output in
+    logs/<name>.log; none started after `start_within` minutes (None: no limit), so that a
+    time-limited call ends with whole runs. Runs go to the visible GPU running the fewest. Returns
+    the runs that failed, with the end of their log."""
+    print(f"{tag}: {len(runs)} runs to make, {jobs} at once (logs in {logs})", flush=True)
+    logs.mkdir(parents=True, exist_ok=True)
     # One thread per run: PyTorch would otherwise start a thread per core in each process.
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     gpus = visible_gpus()
     if gpus != [None]:
-        print(f"compare: runs spread over {len(gpus)} GPU(s), each on the one running the fewest", flush=True)
-    waiting, running, failures = list(pending), [], []
+        print(f"{tag}: runs spread over {len(gpus)} GPU(s), each on the one running the fewest", flush=True)
+    waiting, running, failures = list(runs), [], []
     start = time.monotonic()
     while waiting or running:
-        if args.start_within is not None and waiting and time.monotonic() - start > 60 * args.start_within:
-            print(f"compare: {len(waiting)} runs not started: --start-within {args.start_within:g} minutes has passed",
+        if start_within is not None and waiting and time.monotonic() - start > 60 * start_within:
+            print(f"{tag}: {len(waiting)} runs not started: --start-within {start_within:g} minutes has passed",
                   flush=True)
             waiting = []
-        while waiting and len(running) < args.jobs:
-            part, rule, seed = run = waiting.pop(0)
-            log = args.results / "logs" / f"{part}-{rule}-seed{seed}.log"
-            command = [sys.executable, __file__, "--results", str(args.results), "--parts", part, "--rules", rule,
-                       "--seeds", str(seed), *configs[part]["flags"]]
+        while waiting and len(running) < jobs:
+            name, command = waiting.pop(0)
+            log = logs / f"{name}.log"
             gpu = min(gpus, key=[entry[3] for entry in running].count)
             run_environment = environment if gpu is None else {**environment, "CUDA_VISIBLE_DEVICES": gpu}
             with open(log, "w") as output:
                 process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=run_environment)
-            running.append((run, log, process, gpu))
+            running.append((name, log, process, gpu))
         finished = next((entry for entry in running if entry[2].poll() is not None), None)
         if finished is None:
             time.sleep(1)
             continue
         running.remove(finished)
-        (part, rule, seed), log, process, _ = finished
+        name, log, process, _ = finished
         if process.returncode == 0:
-            print(f"compare: {part} {rule} seed {seed} done", flush=True)
+            print(f"{tag}: {name} done", flush=True)
         else:
             tail = "\n".join(log.read_text().splitlines()[-5:])
-            print(f"compare: {part} {rule} seed {seed} FAILED (exit {process.returncode}):\n{tail}", flush=True)
-            failures.append(f"{part} {rule} seed {seed}: exit {process.returncode}, see {log}")
+            print(f"{tag}: {name} FAILED (exit {process.returncode}):\n{tail}", flush=True)
+            failures.append(f"{name}: exit {process.returncode}, see {log}")
     return failures
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/residual_clip.py                                  # rla and rdn, c = 1 and off, seeds 0 1 2
     python benchmarks/residual_clip.py --rules rla --clips 1 off --seeds 0 1 2
+    python benchmarks/residual_clip.py --lm-runs benchmarks/results/compare --jobs 4   # the GPU job
     python benchmarks/residual_clip.py --summary                        # only the summary of what exists
 
 Each run trains with train.py's `main` at the comparison's LM recipe (compare_rules.py: its
@@ -25,6 +26,12 @@ not run again, a stopped one resumes from its checkpoint. <results>/residual_cli
 every run's record and a summary per rule and clip: final validation loss (mean and sample
 standard deviation over the seeds) and the clip's activity per layer at init and at the end.
 --train-args passes more train.py flags, written with "=" (--train-args="--hidden-size 32").
+
+The comparison trains RLA and RDN at c = 1 with these very flags: with --lm-runs naming its
+results folder, a run it finished with the same train.py flags (its recorded arguments, folders
+aside) and whose model is still there is measured in place, not trained again (the record says
+where, under "trained_in"; the initial model is rebuilt from the seed). --jobs N runs N at once,
+each its own process, as compare_rules.py --jobs does, with --start-within likewise.
 """
 
 import argparse
@@ -79,8 +86,21 @@ def parse_args(argv=None):
     parser.add_argument("--train-args", default="", help="more train.py flags for every run, as one string")
     parser.add_argument("--measure-tokens", type=int, default=65536,
                         help="validation tokens the clip's activity is measured on (default 65536)")
+    parser.add_argument("--lm-runs", type=Path,
+                        help="a compare_rules.py results folder: a run it finished with exactly this run's train.py "
+                             "flags (its c = 1 runs) is measured there, not trained again")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once, each its own process (default 1), spread over the visible GPUs")
+    parser.add_argument("--start-within", type=float, default=None, metavar="MINUTES",
+                        help="with --jobs: start no run after this many minutes")
     parser.add_argument("--summary", action="store_true", help="only gather the records present; run nothing")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.start_within is not None and args.jobs == 1:
+        parser.error("--start-within needs --jobs 2 or more")
+    if args.lm_runs is not None and not args.lm_runs.is_dir():
+        parser.error(f"--lm-runs {args.lm_runs} is not a folder")
     if len(set(args.seeds)) < len(args.seeds) or min(args.seeds) < 0:
         parser.error(f"--seeds must be distinct and >= 0, got {' '.join(map(str, args.seeds))}")
     if len(set(args.clips)) < len(args.clips):
@@ -204,8 +224,24 @@ def measurement_batches(args, stream, measure_tokens):
     return train.validation_batches(stream, args.seq_len, args.batch_size, measure_tokens, torch.device(args.device))
 
 
-def run_one(train_args, rule, clip, seed, results, measure_tokens):
-    """Train one run (unless finished) and measure the clip at init and at the end; returns its record."""
+def comparison_run(lm_runs, args):
+    """The folder of the comparison's LM run in `lm_runs` (compare_rules.py's results) trained with
+    exactly `args` but for its folders, finished and with its model saved; None if there is none."""
+    if lm_runs is None:
+        return None
+    folder = compare_rules.lm_run_dir(lm_runs, args.attn_type, args.seed)
+    metrics = compare_rules.finished_lm_run(folder)
+    if metrics is None or not (folder / "config.json").is_file():
+        return None
+    own_folders = ("out_dir", "data_dir", "resume")
+    theirs = {name: value for name, value in metrics["args"].items() if name not in own_folders}
+    ours = {name: value for name, value in train.saved_args(args).items() if name not in own_folders}
+    return folder if theirs == ours else None
+
+
+def run_one(train_args, rule, clip, seed, results, measure_tokens, lm_runs=None):
+    """Train one run (unless finished, or finished by the comparison in `lm_runs`) and measure the
+    clip at init and at the end; returns its record."""
     folder = run_dir(results, rule, clip, seed)
     record_path = folder / RECORD
     record = read_record(record_path)
@@ -225,17 +261,23 @@ def run_one(train_args, rule, clip, seed, results, measure_tokens):
         del model
         folder.mkdir(parents=True, exist_ok=True)
         train.write_json(record_path, record)
-    if compare_rules.finished_lm_run(folder) is None:
-        resume = ["--resume"] if (folder / train.CHECKPOINT).exists() else []
-        train.main(argv + resume)
+    trained = comparison_run(lm_runs, args)
+    if trained is not None:
+        print(f"residual_clip: {folder.name}: the comparison's run {trained} trained it", flush=True)
+        record["trained_in"] = str(trained)
+    else:
+        trained = folder
+        if compare_rules.finished_lm_run(folder) is None:
+            resume = ["--resume"] if (folder / train.CHECKPOINT).exists() else []
+            train.main(argv + resume)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(trained), trust_remote_code=True, dtype=torch.float32)
     if model.config.residual_clip != clip:
-        raise SystemExit(f"residual_clip.py: error: {folder} holds a model with residual_clip "
+        raise SystemExit(f"residual_clip.py: error: {trained} holds a model with residual_clip "
                          f"{model.config.residual_clip}, not {clip}")
     record["end"] = measure(model.to(args.device), batches)
-    record["final_validation"] = compare_rules.finished_lm_run(folder)["final_validation"]
+    record["final_validation"] = compare_rules.finished_lm_run(trained)["final_validation"]
     train.write_json(record_path, record)
     return record
 
@@ -309,11 +351,26 @@ def main(argv=None):
     train_args = compare_rules.lm_train_args(args)
     setting = {"train_args": train_args, "measure_tokens": args.measure_tokens,
                "command": shlex.join(["python", "benchmarks/residual_clip.py", *(sys.argv[1:] if argv is None else argv)])}
-    for rule in args.rules:
-        for clip in args.clips:
-            for seed in args.seeds:
-                run_one(train_args, rule, clip, seed, args.results, args.measure_tokens)
-    return gather(args.results, setting)
+    runs = [(rule, clip, seed) for rule in args.rules for clip in args.clips for seed in args.seeds]
+    if args.jobs == 1:
+        for run in runs:
+            run_one(train_args, *run, args.results, args.measure_tokens, args.lm_runs)
+        return gather(args.results, setting)
+    pending = [run for run in runs if "end" not in read_record(run_dir(args.results, *run) / RECORD)]
+    if pending:
+        train.prepare_data(train.parse_args(train_args + ["--data-dir", str(args.results / "data")]))  # once for all
+    shared = ["--results", str(args.results), "--max-steps", str(args.max_steps), "--measure-tokens",
+              str(args.measure_tokens), f"--train-args={args.train_args}",
+              *(["--corpus", str(args.corpus)] if args.corpus else []),
+              *(["--lm-runs", str(args.lm_runs)] if args.lm_runs else [])]
+    commands = [(run_dir(args.results, rule, clip, seed).name,
+                 [sys.executable, __file__, *shared, "--rules", rule, "--clips", clip_label(clip), "--seeds", str(seed)])
+                for rule, clip, seed in pending]
+    failures = compare_rules.run_processes(commands, args.jobs, args.start_within, args.results / "logs", "residual_clip")
+    gathered = gather(args.results, setting)
+    if failures:
+        raise SystemExit("residual_clip.py: error: runs failed:\n" + "\n".join(failures))
+    return gathered
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from conftest import REPO_ROOT, _configuration, _modeling
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import residual_clip  # noqa: E402
 
-from test_compare_rules import CORPUS, TINY_TRAIN  # noqa: E402
+from test_compare_rules import CORPUS, TINY_TRAIN, tiny_argv  # noqa: E402
 
 # (hidden size, layers, heads, head size): the shipped config, the KLA paper's 0.4B widths, and
 # head sizes from 32 to 256. The key path is the same in every layer; the deep stacks are cut short.
@@ -130,3 +130,49 @@ def test_the_residual_clip_script_measures_both_clips(tmp_path):
     # Finished runs are not run again; --summary gathers without running.
     assert residual_clip.main(argv)["runs"] == gathered["runs"]
     assert residual_clip.main(["--results", str(results), "--summary"])["summary"] == gathered["summary"]
+
+
+def test_the_residual_clip_script_measures_the_comparisons_runs_and_runs_at_once(tmp_path):
+    """--lm-runs: the comparison's c = 1 run, trained with the same flags, is measured where it is
+    (not trained again); a run of other flags (the clip off here) trains. --jobs 2: each run in a
+    process of its own, and the gathered record holds both."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, text in CORPUS.items():
+        (corpus / name).write_text(text)
+    comparison = tmp_path / "compare"
+    residual_clip.compare_rules.main(tiny_argv(comparison, corpus, "--parts", "lm", "--rules", "rla", "--seeds", "0",
+                                               steps=2))
+    compared = residual_clip.compare_rules.lm_run_dir(comparison, "rla", 0)
+    results = tmp_path / "results"
+    argv = ["--results", str(results), "--corpus", str(corpus), "--rules", "rla", "--clips", "1", "off",
+            "--seeds", "0", "--max-steps", "2", "--measure-tokens", "256", f"--train-args={TINY_TRAIN}",
+            "--lm-runs", str(comparison), "--jobs", "2"]
+    gathered = residual_clip.main(argv)
+
+    runs = {residual_clip.clip_label(run["clip"]): run for run in gathered["runs"]}
+    assert runs["1"]["trained_in"] == str(compared) and "trained_in" not in runs["off"]
+    metrics = json.loads((compared / "metrics.json").read_text())
+    assert runs["1"]["final_validation"] == metrics["final_validation"]
+    assert not (results / "rla-clip1-seed0" / "config.json").exists()  # measured in place: nothing trained here
+    assert json.loads((results / "rla-clipoff-seed0" / "config.json").read_text())["residual_clip"] == 1e9
+    for run in runs.values():
+        assert [layer["layer"] for layer in run["init"]] == [layer["layer"] for layer in run["end"]] == [0, 1]
+    assert sorted(log.name for log in (results / "logs").glob("*.log")) == ["rla-clip1-seed0.log",
+                                                                           "rla-clipoff-seed0.log"]
+    # Trained here instead (no --lm-runs, one run at a time), the same run measures the same: the
+    # comparison's run is this run (a CPU repeats a run bit for bit).
+    sequential = residual_clip.main(["--results", str(tmp_path / "alone"), *argv[2:-4]])
+    alone = {residual_clip.clip_label(run["clip"]): run for run in sequential["runs"]}
+    assert alone["1"]["init"] == runs["1"]["init"] and alone["1"]["end"] == runs["1"]["end"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["--start-within", "3"], "--start-within needs --jobs 2 or more"),
+    (["--lm-runs", "no-such-folder"], "--lm-runs no-such-folder is not a folder"),
+])
+def test_residual_clip_refuses_bad_arguments(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        residual_clip.main(["--results", str(tmp_path / "results"), *argv])
+    assert message in capsys.readouterr().err

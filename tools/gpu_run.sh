@@ -51,6 +51,10 @@
 #   compare      benchmarks/compare_rules.py --seeds 0 1 2, 4 runs a GPU at once, MQAR compiled, no run
 #                started after 3.5 min; its JSON results into compare.tgz in the log folder (untar
 #                it in the repository's root: see the script's docstring) (570)
+#   residual-clip  benchmarks/residual_clip.py: rla and rdn, c = 1 and off, seeds 0-2, 4 runs a GPU at
+#                once; the c = 1 runs that the comparison trained on this machine are measured in place
+#                (so run it right after `compare`, while the machine is warm); its JSON records into
+#                residual_clip.tgz in the log folder (570)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${OUT:-gpu-logs}
@@ -78,7 +82,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|tests-kernels|tests-graphs|tests-others|tests-generation|suite|layers|convert|forward|backward|forward-graphs|backward-graphs|kernels|variants|variants-forward|variants-graphs|gemv|decode|generate|generate-1.3b|training|compile|prefill|context|ddp|compare) ;;
+    tests|tests-kernels|tests-graphs|tests-others|tests-generation|suite|layers|convert|forward|backward|forward-graphs|backward-graphs|kernels|variants|variants-forward|variants-graphs|gemv|decode|generate|generate-1.3b|training|compile|prefill|context|ddp|compare|residual-clip) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -152,6 +156,10 @@ for name in "$@"; do
       find benchmarks/results/compare -name comparison.json -o -name metrics.json -o -path '*/mqar/*.json' \
         | tar czf "$logs/compare.tgz" -T -
       for log in benchmarks/results/compare/logs/*.log; do echo "== $log"; tail -c 2000 "$log"; echo; done >"$logs/compare-runs.log" ;;
+    residual-clip) job residual-clip 570 python3 benchmarks/residual_clip.py --lm-runs benchmarks/results/compare \
+      --start-within 4 --jobs $((4 * $(nvidia-smi -L | wc -l)))
+      find benchmarks/results/residual_clip -name residual_clip.json -o -name metrics.json \
+        | tar czf "$logs/residual_clip.tgz" -T - ;;
   esac
 done
 printf '%s\n' "${summary[@]}"
