@@ -17,6 +17,7 @@ chooses tokens on the device (generation_reslin.py): a step's launches, not its 
 """
 
 import copy
+import functools
 import math
 
 import torch
@@ -41,13 +42,14 @@ try:
     from .generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run
     from .inputs_reslin import check_attention_mask, check_input_ids, check_labels, check_model_inputs, check_prompt
     from .kernels_reslin import reslin_attention, reslin_decode_step
-    from .kernels_reslin_torch import chunk_reslin  # noqa: F401
+    from .kernels_reslin_torch import chunk_reslin, sequence_bounds  # noqa: F401
 except ImportError:
     from cache_reslin import ResLinCache
     from configuration_reslin import ResLinConfig
     from generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run
     from inputs_reslin import check_attention_mask, check_input_ids, check_labels, check_model_inputs, check_prompt
     from kernels_reslin import reslin_attention, reslin_decode_step
+    from kernels_reslin_torch import sequence_bounds
 try:
     try:
         from .kernels_reslin_triton import chunk_attention  # noqa: F401
@@ -425,10 +427,23 @@ class ResLinAttention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.update_attention(self.layer_idx, k, v)
-        num_cached = k.shape[2] - T
-        mask = self.visibility(attention_mask, num_cached, T, q.device, cu_seqlens)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        o = self.attend(q, k, v, attention_mask, cu_seqlens)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+    def attend(self, q, k, v, attention_mask, cu_seqlens):
+        """softmax(q k^T / sqrt(D)) v over what each query sees (`visibility`). Where that is only
+        causality, within each packed sequence if any, SDPA's causal path serves (flash attention on
+        CUDA) and no [T, T] mask is built: at 32K packed tokens the mask alone is 1 GB."""
+        T, num_cached = q.shape[2], k.shape[2] - q.shape[2]
+        sdpa = functools.partial(F.scaled_dot_product_attention, enable_gqa=self.num_kv_heads != self.num_heads)
+        if attention_mask is None and self.sliding_window is None and num_cached == 0:
+            if cu_seqlens is None:
+                return sdpa(q, k, v, is_causal=True)
+            if not torch.compiler.is_compiling():  # the sequences' bounds are read on the host
+                bounds = sequence_bounds(cu_seqlens)
+                return torch.cat([sdpa(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], is_causal=True)
+                                  for start, end in zip(bounds[:-1], bounds[1:]) if end > start], dim=2)
+        return sdpa(q, k, v, attn_mask=self.visibility(attention_mask, num_cached, T, q.device, cu_seqlens))
 
 
 class ResLinMLP(nn.Module):

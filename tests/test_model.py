@@ -437,3 +437,25 @@ def test_chunked_loss_matches_transformers_loss(reslin, monkeypatch, dtype, redu
     torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
     assert grad.dtype == dtype
     torch.testing.assert_close(grad, grad_ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-7)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_without_a_mask_equals_the_masked_path(tiny_model, monkeypatch, kv_heads):
+    """Causality alone (no padding, no window, no cache), packed or not, takes SDPA's causal path
+    with no [T, T] mask: outputs and gradients equal the masked path's (GQA too)."""
+    attn = tiny_model("hybrid", num_key_value_heads=kv_heads).model.layers[1].attn
+    B, T = 1, 23
+    q = torch.randn(B, attn.num_heads, T, attn.head_dim, requires_grad=True)
+    k, v = (torch.randn(B, attn.num_kv_heads, T, attn.head_dim, requires_grad=True) for _ in range(2))
+    for cu_seqlens in (None, torch.tensor([0, 7, 8, 20, 23])):
+        masked = []
+        with monkeypatch.context() as patch:  # the masked path: a mask of ones (all tokens real)
+            patch.setattr(attn, "sliding_window", 10 ** 9)
+            out = attn.attend(q, k, v, None, cu_seqlens)
+            masked = [out, *torch.autograd.grad(out.square().sum(), (q, k, v))]
+        with monkeypatch.context() as patch:
+            patch.setattr(attn, "visibility", lambda *args: pytest.fail("a [T, T] mask was built"))
+            out = attn.attend(q, k, v, None, cu_seqlens)
+            fast = [out, *torch.autograd.grad(out.square().sum(), (q, k, v))]
+        for got, ref in zip(fast, masked, strict=True):  # SDPA's kernels sum in their own orders
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
