@@ -9,8 +9,8 @@ CUDA one graph is replayed back to back, and the host reads the tokens every `TO
 steps. It takes only what it reproduces exactly: greedy decoding and sampling with temperature,
 top-k, top-p, min-p and minimum lengths, stopped by a length and end-of-sequence ids. The
 logits, the processors (transformers' own objects) and the draw (torch.multinomial's exponential
-race, from the same generator) are those of transformers' loop, so the tokens are too. Anything
-else runs transformers' loop.
+race, from the same generator, once a token) are those of transformers' loop, so the tokens are
+too, and so is the random state it leaves. Anything else runs transformers' loop.
 """
 
 import weakref
@@ -109,6 +109,26 @@ def graph_can_run(model, cache, device):
             and all(p.device == device for p in model.parameters()))
 
 
+class RandomState:
+    """The state of the generator that sampling on `device` draws from, saved and put back."""
+
+    def __init__(self, device):
+        self.device = device
+        self.state = None
+
+    def save(self):
+        if self.device.type == "cpu":
+            self.state = torch.get_rng_state()
+        else:
+            self.state = torch.get_device_module(self.device).get_rng_state(self.device)
+
+    def restore(self):
+        if self.device.type == "cpu":
+            torch.set_rng_state(self.state)
+        else:
+            torch.get_device_module(self.device).set_rng_state(self.state, self.device)
+
+
 class DeviceDecoding:
     """GenerationMixin._sample's loop for a ResLinForCausalLM whose layers are all recurrent, with
     the token chosen on the device (module docstring). Built by `plan`, which returns None where
@@ -169,10 +189,13 @@ class DeviceDecoding:
         del outputs  # the prompt's logits
         produced, finished = steps.read(0, 1, streamer)
         saved = None
+        random_state = RandomState(device) if self.do_sample else None
         while produced < new_tokens and not finished:
             block = min(TOKENS_PER_SYNC, new_tokens - produced)
             if cache_outlives:
                 saved = cache.save_states(saved)
+            if random_state is not None:
+                random_state.save()
             for _ in range(block):
                 steps.run()
             cache.advance(block)
@@ -184,6 +207,12 @@ class DeviceDecoding:
                 for column in range(produced - 1, produced - 1 + valid):
                     steps.advance(steps.sequences[:, column:column + 1])
                 cache.advance(valid)
+            if valid < block and random_state is not None:
+                # transformers' loop draws once a token: the steps past the end must not have drawn,
+                # or later draws (the next sampling call's from the same seed) would differ.
+                random_state.restore()
+                for _ in range(valid):
+                    steps.draw()
             produced += valid
         if streamer is not None:
             streamer.end()
@@ -208,7 +237,8 @@ class _Steps:
         self.pad_token_id = None if decoding.pad_token_id is None else decoding.pad_token_id.to(device)
         # A minimum-length processor as (the tokens to choose before its end-of-sequence ids may
         # come, those ids as a vocabulary mask): the sequences are `length + position` long.
-        vocabulary = torch.arange(model.config.vocab_size, device=device)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]  # the logits' width
+        vocabulary = torch.arange(self.vocab_size, device=device)
         self.processors = [processor if not isinstance(processor, tuple)
                            else (processor[0] - length, torch.isin(vocabulary, processor[1].to(device)))
                            for processor in decoding.processors]
@@ -228,8 +258,7 @@ class _Steps:
         if self.decoding.do_sample:
             # torch.multinomial's own draw of one sample (the exponential race), without its checks,
             # which read the probabilities on the host.
-            probabilities = F.softmax(scores, dim=-1)
-            token = (probabilities / torch.empty_like(probabilities).exponential_(1)).argmax(-1)
+            token = (F.softmax(scores, dim=-1) / self.draw()).argmax(-1)
         else:
             token = scores.argmax(-1)
         if self.eos_token_id is not None:
@@ -240,6 +269,10 @@ class _Steps:
         self.any_unfinished.index_copy_(0, self.position, self.unfinished.any()[None])
         self.token.copy_(token[:, None])
         self.position += 1
+
+    def draw(self):
+        """The random numbers of one step's sampling [B, V]: torch.multinomial's for one sample."""
+        return torch.empty(self.unfinished.shape[0], self.vocab_size, device=self.device).exponential_(1)
 
     def advance(self, token):
         """The layers on `token` [B, 1]: the cache's states move on; returns the last hidden state."""

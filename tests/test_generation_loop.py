@@ -133,6 +133,29 @@ def test_returned_cache_has_seen_what_transformers_loop_feeds_it(ends_after):
     assert torch.equal(after_fast, after_slow)
 
 
+def assert_sampling_leaves_the_random_state_where_transformers_loop_does(model, ends_after):
+    # top_k=1 draws the greedy tokens, which end the row after `ends_after` tokens, inside a read:
+    # the steps run past the end must not leave their draws in the random state, or the next
+    # sampling call from the same state draws other tokens than after transformers' loop.
+    ids, eos = ending_prompt(model, 1, 5, [ends_after])
+    random_state = torch.get_rng_state if ids.device.type == "cpu" else torch.cuda.get_rng_state
+    states = []
+    for fast in (True, False):
+        model.config.generate_fast_path = fast
+        torch.manual_seed(0)
+        output = model.generate(ids, max_new_tokens=40, do_sample=True, top_k=1, eos_token_id=eos, pad_token_id=0)
+        assert output.shape[1] == ids.shape[1] + ends_after
+        states.append(random_state())
+    model.config.generate_fast_path = True
+    assert torch.equal(*states)
+
+
+@pytest.mark.parametrize("ends_after", [6, 20])
+@torch.no_grad()
+def test_sampling_leaves_the_random_state_where_transformers_loop_does(ends_after):
+    assert_sampling_leaves_the_random_state_where_transformers_loop_does(build_model("rdn"), ends_after)
+
+
 @torch.no_grad()
 def test_a_user_built_cache_is_continued_exactly(reslin):
     model = build_model("rla")
@@ -240,6 +263,10 @@ class TestOnGPU:
     def test_sampled_tokens_follow_the_model_distribution(self, fast_loop_runs):
         assert_follows_distribution(build_model("gdn", pad_token_id=None).cuda(), "cuda")
         assert fast_loop_runs == [True]
+
+    @torch.no_grad()
+    def test_sampling_leaves_the_random_state_where_transformers_loop_does(self):
+        assert_sampling_leaves_the_random_state_where_transformers_loop_does(build_model("rdn").cuda(), 20)
 
     @torch.no_grad()
     def test_returned_cache_is_exact_when_every_row_ends_inside_a_read(self):
