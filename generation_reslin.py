@@ -265,9 +265,13 @@ class _Steps:
             token = torch.where(self.unfinished, token, self.pad_token_id)
             # (torch.isin sorts, and syncs, past ~10 ids: no sync may happen inside a capture.)
             self.unfinished &= ~(token[:, None] == self.eos_token_id).any(-1)
+        any_unfinished = self.unfinished.any()
         self.sequences.index_copy_(1, self.position, token[:, None])
-        self.any_unfinished.index_copy_(0, self.position, self.unfinished.any()[None])
-        self.token.copy_(token[:, None])
+        self.any_unfinished.index_copy_(0, self.position, any_unfinished[None])
+        # Once every row has ended, the steps left in the read run on tokens that are dropped: they
+        # take id 0, not the padding id, which transformers' loop never embeds then and which may lie
+        # outside the vocabulary (-1 in LLaMA's configs).
+        self.token.copy_(torch.where(any_unfinished, token, 0)[:, None])
         self.position += 1
 
     def draw(self):

@@ -133,6 +133,19 @@ def test_returned_cache_has_seen_what_transformers_loop_feeds_it(ends_after):
     assert torch.equal(after_fast, after_slow)
 
 
+@pytest.mark.parametrize("pad_token_id", [-1, 100])
+@torch.no_grad()
+def test_a_padding_id_outside_the_vocabulary_when_every_row_ends_at_once(pad_token_id):
+    # transformers' loop stops at the end and never embeds the padding id (LLaMA's configs had -1);
+    # the steps run on to the end of the read must not embed it either.
+    model = build_model("gdn")
+    ids, eos = ending_prompt(model, 1, 5, [4])
+    fast, slow = generate_both(model, ids, max_new_tokens=20, do_sample=False, eos_token_id=eos,
+                               pad_token_id=pad_token_id)
+    assert torch.equal(fast, slow)
+    assert fast.shape[1] == ids.shape[1] + 4
+
+
 def assert_sampling_leaves_the_random_state_where_transformers_loop_does(model, ends_after):
     # top_k=1 draws the greedy tokens, which end the row after `ends_after` tokens, inside a read:
     # the steps run past the end must not leave their draws in the random state, or the next
