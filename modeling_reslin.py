@@ -742,7 +742,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         logits, targets, kept, log_sum_exp = ctx.saved_tensors
         rows = max(1, ChunkedCrossEntropy.BLOCK_ELEMENTS // logits.shape[1])
         dlogits = torch.empty_like(logits)
-        weight = grad * kept  # d loss / d logits = (softmax - onehot(target)) per kept row
+        # d loss / d logits = (softmax - onehot(target)) per kept row, zero elsewhere: with every label
+        # ignored the mean's grad is 1/0, and inf * 0 would make every gradient NaN.
+        weight = torch.where(kept, grad, 0.0)
         for start in range(0, logits.shape[0], rows):
             block = slice(start, start + rows)
             probabilities = torch.exp(logits[block].float() - log_sum_exp[block, None])

@@ -439,6 +439,19 @@ def test_chunked_loss_matches_transformers_loss(reslin, monkeypatch, dtype, redu
     torch.testing.assert_close(grad, grad_ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-7)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "num_items_in_batch"])
+def test_a_batch_with_every_label_ignored_gives_zero_gradients(tiny_model, reduction):
+    """As transformers' loss: NaN (0 / 0) as the loss, but zero gradients, so that an optimizer step
+    on such a batch (prompt-masked fine-tuning can make one) leaves the weights as they were."""
+    model = tiny_model("rdn").train()
+    ids = torch.randint(3, 100, (2, 8))
+    kwargs = {"num_items_in_batch": torch.tensor(0)} if reduction == "num_items_in_batch" else {}
+    loss = model(ids, labels=torch.full_like(ids, -100), **kwargs).loss
+    assert loss.isnan()
+    loss.backward()
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_attention_without_a_mask_equals_the_masked_path(tiny_model, monkeypatch, kv_heads):
     """Causality alone (no padding, no window, no cache), packed or not, takes SDPA's causal path
