@@ -5,7 +5,7 @@ import sys
 
 from .common import ConversionError, convert
 from .fla import FLALayout
-from .litgpt import LitGPTLayout
+from .litgpt import LITGPT_FIELDS, LitGPTLayout
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -22,10 +22,13 @@ def main(argv=None):
     parser.add_argument("--attn-type", required=True, choices=("gdn", "kla", "rdn", "rkla"),
                         help="gdn reproduces the source; kla, rdn and rkla upcycle it (then fine-tune)")
     parser.add_argument("--layout", default="fla", choices=("fla", "litgpt"), help="the source layout (default fla)")
-    parser.add_argument("--litgpt-config", help="lit_gpt only: a JSON file with the model's sizes (README)")
+    parser.add_argument("--litgpt-config", help="lit_gpt only: a JSON file with the model's sizes, keys "
+                        + ", ".join(f"{key}={default}" if default is not None else f"{key} (required)"
+                                    for key, default in LITGPT_FIELDS.items()))
     parser.add_argument("--dtype", choices=DTYPES, help="dtype of the written weights (default: the source's)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
-    parser.add_argument("--force", action="store_true", help="replace --dst if it exists")
+    parser.add_argument("--force", action="store_true",
+                        help="replace --dst if it is a model folder (files only, a config.json among them)")
     parser.add_argument("--no-probe", action="store_true", help="skip the probe that compares upcycled logits")
     args = parser.parse_args(argv)
 

@@ -209,6 +209,14 @@ def check_destination(src, dst, force):
         raise ConversionError(f"--dst {dst} exists: pass --force to replace it")
     if dst.exists() and not dst.is_dir():
         raise ConversionError(f"--dst {dst} exists and is not a folder")
+    if dst.exists():
+        # --force deletes the folder: only one a conversion could have written (flat, with a
+        # config.json), never a repository or a folder of other things.
+        subfolders = sorted(entry.name for entry in dst.iterdir() if entry.is_dir())
+        if subfolders or not (dst / "config.json").is_file():
+            what = f"holds folders ({', '.join(subfolders[:3])})" if subfolders else "has no config.json"
+            raise ConversionError(f"--dst {dst} {what}: --force replaces only a model folder (files only, a "
+                                  f"config.json among them); remove it yourself if it must go")
     return dst
 
 

@@ -7,7 +7,7 @@ gate), b_proj with a bias (ResLin's write_gate_bias), A_log, dt_bias, g_norm_swi
 and D, which that code reads only with use_residual (refused), so it is dropped. The MLP is
 xformers' SwiGLU: w3(silu(w1 x) * w2 x), i.e. gate_proj, up_proj, down_proj.
 
-lit_gpt checkpoints carry no config.json: the sizes come from a small JSON file (README).
+lit_gpt checkpoints carry no config.json: the sizes come from a small JSON file (LITGPT_FIELDS).
 """
 
 import re

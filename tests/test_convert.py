@@ -417,6 +417,14 @@ def test_destination_rules(tmp_path, capsys):
     assert code == 1 and "inside the source" in err and not (tmp_path / "fla" / "inside").exists()
     code, _, err = run(capsys, *common, "--dst", tmp_path, "--force")
     assert code == 1 and "holds the source" in err
+    # --force deletes only what a conversion could have written: a flat folder with a config.json.
+    code, _, err = run(capsys, *common, "--dst", tmp_path / "out", "--force")
+    assert code == 1 and "has no config.json: --force replaces only a model folder" in err
+    (tmp_path / "out" / "config.json").write_text("{}")
+    (tmp_path / "out" / ".git").mkdir()
+    code, _, err = run(capsys, *common, "--dst", tmp_path / "out", "--force")
+    assert code == 1 and "holds folders (.git)" in err and (tmp_path / "out" / "keep.txt").exists()
+    (tmp_path / "out" / ".git").rmdir()
     code, _, err = run(capsys, *common, "--dst", tmp_path / "out", "--force")
     assert code == 0 and not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").exists()
 
