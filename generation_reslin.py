@@ -233,6 +233,8 @@ class _Steps:
         self.unfinished = torch.ones(batch_size, dtype=torch.bool, device=device)
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # the next step's input
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # the next token's column
+        # Whether a token's draw had no distribution (NaN probabilities), which torch.multinomial refuses.
+        self.undrawable = torch.zeros(new_tokens, dtype=torch.bool, device=device)
         self.eos_token_id = None if decoding.eos_token_id is None else decoding.eos_token_id.to(device)
         self.pad_token_id = None if decoding.pad_token_id is None else decoding.pad_token_id.to(device)
         # A minimum-length processor as (the tokens to choose before its end-of-sequence ids may
@@ -258,7 +260,9 @@ class _Steps:
         if self.decoding.do_sample:
             # torch.multinomial's own draw of one sample (the exponential race), without its checks,
             # which read the probabilities on the host.
-            token = (F.softmax(scores, dim=-1) / self.draw()).argmax(-1)
+            probabilities = F.softmax(scores, dim=-1)
+            self.undrawable.index_copy_(0, self.position, probabilities.isnan().any()[None])
+            token = (probabilities / self.draw()).argmax(-1)
         else:
             token = scores.argmax(-1)
         if self.eos_token_id is not None:
@@ -302,6 +306,11 @@ class _Steps:
         row has ended). Tokens after the step at which the last row ended are dropped."""
         ended = (~self.any_unfinished[start:start + count]).nonzero()
         valid = int(ended[0]) + 1 if len(ended) else count
+        undrawable = self.undrawable[start:start + valid].nonzero()
+        if len(undrawable):
+            # torch.multinomial's own words, as transformers' loop fails with them.
+            raise RuntimeError(f"probability tensor contains either `inf`, `nan` or element < 0 (new token "
+                               f"{start + int(undrawable[0]) + 1}: NaN logits, or every token's score is -inf)")
         if streamer is not None:
             tokens = self.sequences[:, start:start + valid].cpu()
             for i in range(valid):

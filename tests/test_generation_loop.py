@@ -146,6 +146,19 @@ def test_a_padding_id_outside_the_vocabulary_when_every_row_ends_at_once(pad_tok
     assert fast.shape[1] == ids.shape[1] + 4
 
 
+@torch.no_grad()
+def test_sampling_without_a_distribution_fails_as_in_transformers_loop():
+    # Every id ends a sequence, and none may come before the 4th token: every score is -inf.
+    model = build_model("gdn")
+    ids = torch.randint(3, 100, (2, 5))
+    for fast in (True, False):
+        model.config.generate_fast_path = fast
+        with pytest.raises(RuntimeError, match="probability tensor contains either `inf`, `nan`"):
+            model.generate(ids, max_new_tokens=8, min_new_tokens=4, do_sample=True, eos_token_id=list(range(100)),
+                           pad_token_id=0)
+    model.config.generate_fast_path = True
+
+
 def assert_sampling_leaves_the_random_state_where_transformers_loop_does(model, ends_after):
     # top_k=1 draws the greedy tokens, which end the row after `ends_after` tokens, inside a read:
     # the steps run past the end must not leave their draws in the random state, or the next
