@@ -8,31 +8,41 @@ import torch
 
 
 def check_input_ids(input_ids, vocab_size):
+    check_token_values("input_ids", input_ids, vocab_size)
+
+
+def check_token_values(name, tokens, vocab_size, ignore_index=None):
+    """Every value in [0, vocab_size), or equal to `ignore_index` (labels), read in one device sync:
+    out of range, the embedding lookup or the loss's gather fails inside torch (on CUDA a
+    device-side assertion that leaves the process's CUDA context unusable)."""
+    valid = (tokens >= 0) & (tokens < vocab_size)
+    if ignore_index is not None:
+        valid = valid | (tokens == ignore_index)
+    allowed = f"[0, vocab_size={vocab_size})" + (f" or be {ignore_index} (ignored)" if ignore_index is not None else "")
     if torch.compiler.is_compiling():
         # Reading the values on the host would break torch.compile's graph: the device checks them.
-        torch._assert_async(((input_ids >= 0) & (input_ids < vocab_size)).all(),
-                            f"input_ids must lie in [0, vocab_size={vocab_size})")
+        torch._assert_async(valid.all(), f"{name} must lie in {allowed}")
         return
-    low, high = torch.stack(torch.aminmax(input_ids)).tolist() if input_ids.numel() else (0, 0)
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
+    if not bool(valid.all()):
+        raise ValueError(f"{name} must lie in {allowed}, got {tokens[~valid][:8].tolist()} among them")
 
 
 def check_integer_tensor(name, value):
     """A 2-D tensor of integers (token ids, labels, positions), by type, dtype and rank only."""
     if not torch.is_tensor(value):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integers (torch.long), got dtype {value.dtype}")
+    if value.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must hold integers as torch.long (or torch.int32), got dtype {value.dtype}")
     if value.dim() != 2:
         raise ValueError(f"{name} must have shape [batch, tokens], got {tuple(value.shape)}")
 
 
-def check_model_inputs(config, input_ids, inputs_embeds, position_ids, cache):
+def check_model_inputs(config, input_ids, inputs_embeds, position_ids, cache, embedding_dtype=None):
     """Check what a caller passed to the model's forward, from types, dtypes and shapes only: no
     value is read, so no device sync, and it runs at every generation step. Returns the batch
     size and the number of new tokens. (The attention mask is checked by check_attention_mask,
-    which needs the cache's length.)"""
+    which needs the cache's length.) `embedding_dtype`: the model's, which inputs_embeds must
+    have outside autocast."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of input_ids and inputs_embeds" +
                          (", not both" if input_ids is not None else ", got neither"))
@@ -47,6 +57,10 @@ def check_model_inputs(config, input_ids, inputs_embeds, position_ids, cache):
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != config.hidden_size:
             raise ValueError(f"inputs_embeds must have shape [batch, tokens, hidden_size={config.hidden_size}], "
                              f"got {tuple(inputs_embeds.shape)}")
+        if (embedding_dtype is not None and inputs_embeds.dtype != embedding_dtype
+                and not torch.is_autocast_enabled(inputs_embeds.device.type)):
+            raise TypeError(f"inputs_embeds have dtype {inputs_embeds.dtype}, the model {embedding_dtype}: "
+                            f"pass inputs_embeds.to({embedding_dtype}), or run under torch.autocast")
         name, shape = "inputs_embeds", inputs_embeds.shape
     batch_size, num_tokens = shape[:2]
     if batch_size == 0 or num_tokens == 0:
@@ -84,8 +98,9 @@ def check_prompt(config, input_ids, inputs_embeds, attention_mask):
         check_attention_mask(attention_mask, *prompt_shape, check_values=False)
 
 
-def check_labels(name, labels, input_shape, num_logits):
-    """`labels` (or `shift_labels`) against the inputs' [batch, tokens] and the logits kept."""
+def check_labels(name, labels, input_shape, num_logits, vocab_size, ignore_index):
+    """`labels` (or `shift_labels`) against the inputs' [batch, tokens], the logits kept and the
+    vocabulary (one device sync)."""
     check_integer_tensor(name, labels)
     if tuple(labels.shape) != input_shape:
         raise ValueError(f"{name} must have the inputs' shape [batch, tokens] = {list(input_shape)}, "
@@ -93,6 +108,20 @@ def check_labels(name, labels, input_shape, num_logits):
     if num_logits != input_shape[1]:
         raise ValueError(f"{name} need the logits of every position: pass logits_to_keep=0 (it keeps {num_logits} "
                          f"of {input_shape[1]})")
+    check_token_values(name, labels, vocab_size, ignore_index)
+
+
+def check_logits_to_keep(logits_to_keep, num_tokens):
+    """An int >= 0 (that many last positions, 0: all) or a 1-D integer tensor of positions."""
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, (int, torch.Tensor)):
+        raise TypeError(f"logits_to_keep must be an int or a tensor of positions, got {type(logits_to_keep).__name__}")
+    if isinstance(logits_to_keep, int) and logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be >= 0 (the last positions kept, 0: all {num_tokens}), "
+                         f"got {logits_to_keep}")
+    if torch.is_tensor(logits_to_keep) and (logits_to_keep.dim() != 1
+                                            or logits_to_keep.dtype not in (torch.int64, torch.int32)):
+        raise ValueError(f"logits_to_keep as a tensor must be 1-D integer positions, got shape "
+                         f"{tuple(logits_to_keep.shape)} and dtype {logits_to_keep.dtype}")
 
 
 def check_attention_mask(attention_mask, batch_size, total_length, check_values=True):

@@ -40,14 +40,16 @@ try:
     from .constants_reslin import MAX_HEAD_DIM  # noqa: F401
     from .context_parallel_reslin import context_parallel_forward  # noqa: F401
     from .generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run
-    from .inputs_reslin import check_attention_mask, check_input_ids, check_labels, check_model_inputs, check_prompt
+    from .inputs_reslin import (check_attention_mask, check_input_ids, check_labels, check_logits_to_keep,
+                                check_model_inputs, check_prompt)
     from .kernels_reslin import reslin_attention, reslin_decode_step
     from .kernels_reslin_torch import chunk_reslin, sequence_bounds  # noqa: F401
 except ImportError:
     from cache_reslin import ResLinCache
     from configuration_reslin import ResLinConfig
     from generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run
-    from inputs_reslin import check_attention_mask, check_input_ids, check_labels, check_model_inputs, check_prompt
+    from inputs_reslin import (check_attention_mask, check_input_ids, check_labels, check_logits_to_keep,
+                               check_model_inputs, check_prompt)
     from kernels_reslin import reslin_attention, reslin_decode_step
     from kernels_reslin_torch import sequence_bounds
 try:
@@ -618,7 +620,8 @@ class ResLinModel(ResLinPreTrainedModel):
         if output_attentions if output_attentions is not None else self.config.output_attentions:
             logger.warning_once("ResLin models return no attention weights (`attentions` is None): the recurrent "
                                 "layers have none, and the full attention layers run SDPA, which gives none.")
-        B, T = check_model_inputs(self.config, input_ids, inputs_embeds, position_ids, cache)
+        B, T = check_model_inputs(self.config, input_ids, inputs_embeds, position_ids, cache,
+                                  embedding_dtype=self.embeddings.weight.dtype)
 
         if any(layer.gradient_checkpointing for layer in self.layers) and self.training and torch.is_grad_enabled():
             # The backward replay would read states the forward already advanced.
@@ -835,13 +838,15 @@ class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
             **kwargs,  # e.g. cu_seq_lens_q of transformers' padding-free collator
         )
         hidden_states = outputs.last_hidden_state
+        check_logits_to_keep(logits_to_keep, hidden_states.shape[1])
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
         loss = None
         if labels is not None:
             for name, value in (("labels", labels), ("shift_labels", kwargs.get("shift_labels"))):
                 if value is not None:
-                    check_labels(name, value, tuple(hidden_states.shape[:2]), logits.shape[1])
+                    check_labels(name, value, tuple(hidden_states.shape[:2]), logits.shape[1], self.config.vocab_size,
+                                 kwargs.get("ignore_index", -100))
             # Under torch.compile transformers' own loss: inductor fuses it without the fp32 copies.
             loss_function = self.loss_function if torch.compiler.is_compiling() else causal_lm_loss
             loss = loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

@@ -9,6 +9,13 @@ from transformers import DynamicCache
 IDS = torch.randint(1, 100, (2, 5), generator=torch.Generator().manual_seed(0))
 
 
+def with_value(value, at=(0, 1)):
+    """IDS with one entry replaced."""
+    ids = IDS.clone()
+    ids[at] = value
+    return ids
+
+
 def embeds(hidden_size=32, dtype=torch.float32):
     return torch.ones(2, 5, hidden_size, dtype=dtype)
 
@@ -54,9 +61,21 @@ BAD_INPUTS = {
                                    "labels need the logits of every position"),
     "shift_labels of another shape": ({"input_ids": IDS, "labels": IDS, "shift_labels": IDS[:1]}, ValueError,
                                       "shift_labels must have the inputs' shape"),
+    "uint8 input_ids": ({"input_ids": IDS.to(torch.uint8)}, TypeError, "input_ids must hold integers as torch.long"),
+    "uint8 labels": ({"input_ids": IDS, "labels": IDS.to(torch.uint8)}, TypeError, "labels must hold integers"),
+    "labels past the vocabulary": ({"input_ids": IDS, "labels": with_value(100)}, ValueError,
+                                   r"labels must lie in \[0, vocab_size=100\) or be -100 \(ignored\), got \[100"),
+    "negative labels": ({"input_ids": IDS, "labels": with_value(-1)}, ValueError,
+                        r"labels must lie in .* got \[-1"),
+    "embeds of another dtype": ({"inputs_embeds": embeds(dtype=torch.float64)}, TypeError,
+                                "inputs_embeds have dtype torch.float64, the model torch.float32"),
+    "negative logits_to_keep": ({"input_ids": IDS, "logits_to_keep": -2}, ValueError, "logits_to_keep must be >= 0"),
+    "float logits_to_keep": ({"input_ids": IDS, "logits_to_keep": 1.0}, TypeError,
+                             "logits_to_keep must be an int or a tensor"),
 }
 FORWARD_ONLY = {"ids and embeds", "neither", "labels of another shape", "float labels", "labels without every logit",
-                "shift_labels of another shape"}
+                "shift_labels of another shape", "uint8 labels", "labels past the vocabulary", "negative labels",
+                "negative logits_to_keep", "float logits_to_keep"}
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
@@ -113,3 +132,14 @@ def test_a_decode_step_reads_no_tensor_value(tiny_model, make_left_padded, monke
         model(ids, attention_mask=mask)
     monkeypatch.undo()
     assert logits.shape == (2, 1, 100)
+
+
+def test_out_of_range_input_ids_are_named(tiny_model):
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=100\), got \[100, -3\] among them"):
+        tiny_model("rdn")(with_value(-3, (1, 0)).where(with_value(100) != 100, 100))
+
+
+def test_embeds_of_another_dtype_run_under_autocast(tiny_model):
+    model = tiny_model("rdn").to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(inputs_embeds=embeds()).logits.shape == (2, 5, 100)
