@@ -32,10 +32,14 @@ def test_sends_the_model_its_code_and_its_card():
     assert len(seen) >= 4
 
 
-def test_sends_no_development_or_untracked_files():
+def test_sends_the_tracked_files_but_ci_and_nothing_untracked():
+    """The card's set-up commands run the tests: a clone of the Hub repository holds them."""
     files = publish.files_to_publish()
+    for needed in ("setup.sh", "requirements.txt", "requirements-tests.txt", "pytest.ini", "tests/conftest.py",
+                   "DESIGN.md", "DEVELOPMENT.md", "benchmarks/README.md"):
+        assert needed in files, needed
     for path in files:
-        assert not path.startswith((".venv/", "scratch/", "out/", ".whl/", "tests/", "benchmarks/", ".ci/")), path
+        assert not path.startswith((".venv/", "scratch/", "out/", ".whl/", ".triton-parts/", ".ci/")), path
         assert "__pycache__" not in path and not path.endswith(".pyc"), path
     tracked = set(subprocess.run(["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True,
                                  check=True).stdout.split())

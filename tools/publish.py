@@ -3,9 +3,10 @@
     python tools/publish.py --repo-id USER/NAME --dry-run   # list what would be sent; send nothing
     python tools/publish.py --repo-id USER/NAME             # create the repository if needed, upload
 
-What is sent: the files git tracks, less those that only serve developing the repository
-(DEVELOP_ONLY below). So untracked or ignored things (.venv/, scratch/, caches, training outputs)
-never go. The upload mirrors that list: files on the Hub that are not in it are deleted in the
+What is sent: the files git tracks, less CI's configuration (NOT_SENT below): the model, its code,
+its card, the scripts a user runs, and the tests, benchmarks and tools the card's set-up commands
+and links name, so that a clone of the Hub repository works as this one does. Untracked or ignored
+things (.venv/, scratch/, caches, training outputs) never go. The upload mirrors that list: files on the Hub that are not in it are deleted in the
 same commit. It refuses while a file it would send has uncommitted changes, so the Hub holds one
 commit's files. Log in first (`hf auth login`) or set HF_TOKEN.
 """
@@ -16,10 +17,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Paths (a folder ends in "/") that a model repository does not need: CI, tests, benchmarks, the
-# GPU tooling and the developers' notes. Everything else tracked is the model, its code, its card
-# and the scripts a user runs (generate.py, train.py, convert/).
-DEVELOP_ONLY = (".ci/", "tests/", "benchmarks/", "tools/", "DEVELOPMENT.md", "pytest.ini", ".gitignore")
+# Paths (a folder ends in "/") that mean nothing on the Hub: the CI machine's job.
+NOT_SENT = (".ci/",)
 
 
 def _git(*args):
@@ -29,7 +28,7 @@ def _git(*args):
 def files_to_publish():
     """The repository-relative paths the upload sends, sorted."""
     tracked = _git("ls-files", "-z").split("\0")
-    return sorted(p for p in tracked if p and not p.startswith(DEVELOP_ONLY) and (ROOT / p).is_file())
+    return sorted(p for p in tracked if p and not p.startswith(NOT_SENT) and (ROOT / p).is_file())
 
 
 def uncommitted(paths):
