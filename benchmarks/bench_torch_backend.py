@@ -1,7 +1,8 @@
 """Chunked "torch" backend against the per-token "recurrent" reference, on the CPU by default.
 
 Goal (issue "A loadable ResLin model repository"): "torch" at least 10x faster than
-"recurrent" at B=1, H=4, T=2048, D=64, forward and forward+backward, for every rule.
+"recurrent" at B=1, H=4, T=2048, D=64, forward and forward+backward, for sgla, gdn, rla and rdn:
+the kernels' four paths (kla and rkla run gdn's and rdn's code with other write strengths).
 
     python benchmarks/bench_torch_backend.py [--device cpu] [--T 2048] [--repeats 3]
 """
