@@ -114,7 +114,7 @@ class ResLinConfig(PretrainedConfig):
         num_key_value_heads (`int`, *optional*): key/value heads of full attention layers (GQA),
             a divisor of `num_attention_heads` (default `num_attention_heads`).
         attention_head_dim (`int`, *optional*): head size of full attention layers
-            (default hidden_size // num_attention_heads).
+            (default hidden_size // num_attention_heads; needed only with such layers).
         rope_theta (`float`, defaults to 10000.0): RoPE base of full attention layers.
         sliding_window (`int`, *optional*): if set, full attention layers see only the last
             `sliding_window` tokens (the query's own included).
@@ -197,11 +197,8 @@ class ResLinConfig(PretrainedConfig):
         num_attention_heads = num_heads if num_attention_heads is None else num_attention_heads
         _positive_int("num_attention_heads", num_attention_heads)
         num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        if attention_head_dim is None:
-            if hidden_size % num_attention_heads:
-                raise ValueError(f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads "
-                                 f"({num_attention_heads}): set attention_head_dim explicitly")
-            attention_head_dim = hidden_size // num_attention_heads
+        if attention_head_dim is None and hidden_size % num_attention_heads == 0:
+            attention_head_dim = hidden_size // num_attention_heads  # else needed only with attention layers
 
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -309,9 +306,13 @@ class ResLinConfig(PretrainedConfig):
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_key_value_heads must divide num_attention_heads ({self.num_attention_heads}), "
                              f"got {self.num_key_value_heads}")
-        _head_size("attention_head_dim", self.attention_head_dim)
-        if self.attention_head_dim % 2:
-            raise ValueError(f"attention_head_dim must be even (RoPE rotates pairs), got {self.attention_head_dim}")
+        if self.attention_head_dim is not None:
+            _head_size("attention_head_dim", self.attention_head_dim)
+            if self.attention_head_dim % 2:
+                raise ValueError(f"attention_head_dim must be even (RoPE rotates pairs), got {self.attention_head_dim}")
+        elif "full_attention" in self.layer_types:
+            raise ValueError(f"hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
+                             f"({self.num_attention_heads}): set attention_head_dim, the full attention layers' head size")
         _positive_float("rope_theta", self.rope_theta)
         if self.sliding_window is not None:
             _positive_int("sliding_window", self.sliding_window)

@@ -87,7 +87,8 @@ INVALID = [
     ({"num_hidden_layers": 1, "layer_types": ["mamba"]}, "layer_types"),
     ({"num_attention_heads": 0}, "num_attention_heads"),
     ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_key_value_heads"),
-    ({"hidden_size": 30, "num_attention_heads": 4}, "attention_head_dim"),
+    ({"hidden_size": 30, "num_attention_heads": 4, "num_hidden_layers": 1, "layer_types": ["full_attention"]},
+     "attention_head_dim"),
     ({"attention_head_dim": 300}, "attention_head_dim"),
     ({"attention_head_dim": 7}, "attention_head_dim"),
     ({"rope_theta": 0}, "rope_theta"),
@@ -160,3 +161,14 @@ def test_fields_assigned_after_loading_are_checked_when_the_model_is_built(resli
     contradiction.use_residual = True
     with pytest.raises(ValueError, match="use_residual"):
         reslin.ResLinForCausalLM(contradiction)
+
+
+def test_heads_that_do_not_divide_the_width_need_no_attention_head_size_without_attention_layers(reslin):
+    """num_heads sizes the linear layers by head_dim: only full attention layers derive a head size
+    from hidden_size / num_attention_heads."""
+    config = reslin.ResLinConfig(hidden_size=384, num_heads=5, head_dim=64)
+    assert config.attention_head_dim is None
+    assert reslin.ResLinForCausalLM(config).config.num_heads == 5
+    with pytest.raises(ValueError, match="set attention_head_dim"):
+        reslin.ResLinConfig(hidden_size=384, num_heads=5, head_dim=64, num_hidden_layers=2,
+                            layer_types=["linear_attention", "full_attention"])
