@@ -175,11 +175,25 @@ def parse_args(argv=None):
     if args.compile and args.compile not in torch._dynamo.list_backends(exclude_tags=()):
         parser.error(f"--compile {args.compile}: torch.compile has no such backend (it has "
                      f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))})")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here")
+    if args.kernel_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error(f"--kernel-backend triton runs on CUDA (or in Triton's interpreter, TRITON_INTERPRET=1), "
+                     f"not on --device {args.device}: use auto or torch")
     if args.out_dir.resolve() == REPO:
         parser.error("--out-dir must not be the repository itself (its README.md is the project's); train into "
                      "a folder of its own and copy the model files over to ship them")
+    for name in ("out_dir", "data_dir"):
+        if getattr(args, name).exists() and not getattr(args, name).is_dir():
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} exists and is not a folder")
+    try:  # before the data's preparation, which takes minutes
+        model_config(args, args.vocab_size)
+    except ValueError as error:
+        parser.error(f"the model flags make no valid ResLinConfig: {error}")
     return args
 
 
@@ -377,18 +391,21 @@ def validation_batches(stream, seq_len, batch_size, max_tokens, device, rank=0, 
 # Model, optimizer, schedule
 
 
-def build_model(args, vocab_size):
-    """A fresh model from the flags, through the remote-code loader as a Hub user gets it."""
+def model_config(args, vocab_size):
+    """The model's config from the flags, through the remote-code loader as a Hub user gets it;
+    ValueError names a bad flag's field."""
     config_class = get_class_from_dynamic_module("configuration_reslin.ResLinConfig", str(REPO))
-    try:
-        config = config_class(
-            name_or_path=str(REPO), vocab_size=vocab_size, attn_type=args.attn_type, hidden_size=args.hidden_size,
-            num_hidden_layers=args.layers, num_heads=args.heads, head_dim=args.head_dim,
-            intermediate_size=args.intermediate_size, tie_word_embeddings=args.tie_word_embeddings,
-            kernel_backend=args.kernel_backend, residual_clip=args.residual_clip, max_position_embeddings=args.seq_len,
-            pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
-    except ValueError as error:
-        fail(f"the model flags make no valid ResLinConfig: {error}")
+    return config_class(
+        name_or_path=str(REPO), vocab_size=vocab_size, attn_type=args.attn_type, hidden_size=args.hidden_size,
+        num_hidden_layers=args.layers, num_heads=args.heads, head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size, tie_word_embeddings=args.tie_word_embeddings,
+        kernel_backend=args.kernel_backend, residual_clip=args.residual_clip, max_position_embeddings=args.seq_len,
+        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+
+
+def build_model(args, vocab_size):
+    """A fresh model from the flags (checked by parse_args)."""
+    config = model_config(args, vocab_size)
     torch.manual_seed(args.seed)
     return AutoModelForCausalLM.from_config(config, trust_remote_code=True)
 

@@ -320,14 +320,26 @@ def error_of(argv, capsys):
     (["--max-steps", "0"], "--max-steps must be at least 1"),
     (["--val-fraction", "1"], "--val-fraction must lie strictly between 0 and 1"),
     (["--head-dim", "300"], "no valid ResLinConfig: head_dim must be an integer between 1 and 256"),
-    (["--seq-len", "100000"], "fewer than --seq-len 100000"),
     (["--compile", "nonsense"], "--compile nonsense: torch.compile has no such backend"),
+    (["--residual-clip", "0"], "no valid ResLinConfig: residual_clip"),
+    (["--device", "foo"], "--device foo: not a device"),
+    (["--kernel-backend", "triton", "--device", "cpu"], "--kernel-backend triton runs on CUDA"),
 ])
-def test_bad_flags_fail_clearly(corpus, data_dir, tmp_path, capsys, extra, message):
+def test_bad_flags_fail_clearly(corpus, data_dir, tmp_path, capsys, monkeypatch, extra, message):
+    """Before the data's preparation (tokenizer training and tokenizing take minutes on a real corpus)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(train, "prepare_data", lambda args: pytest.fail("the data was prepared before the check"))
     argv = tiny_run_args(corpus, data_dir, tmp_path / "out", *extra)
     if "--max-steps" not in extra:
         argv += ["--max-steps", "1"]
     assert message in error_of(argv, capsys)
+
+
+def test_output_and_data_folders_that_are_files_are_refused(corpus, data_dir, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    for flag in ("--out-dir", "--data-dir"):
+        argv = [*tiny_run_args(corpus, data_dir, tmp_path / "out"), "--max-steps", "1", flag, tmp_path / "a-file"]
+        assert f"{flag} {tmp_path / 'a-file'} exists and is not a folder" in error_of(argv, capsys)
 
 
 def test_bad_runs_fail_clearly(corpus, data_dir, tmp_path, capsys):
@@ -335,6 +347,7 @@ def test_bad_runs_fail_clearly(corpus, data_dir, tmp_path, capsys):
         return error_of(tiny_run_args(corpus, data_dir, out_dir, *extra), capsys)
 
     assert "say how long to train" in run()
+    assert "fewer than --seq-len 100000" in run("--max-steps", "1", "--seq-len", "100000")  # known from the data
     assert "is not a folder" in run("--max-steps", "1", corpus=tmp_path / "missing")
     (tmp_path / "empty").mkdir()
     assert "has 0 UTF-8 file(s)" in run("--max-steps", "1", corpus=tmp_path / "empty")
