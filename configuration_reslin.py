@@ -95,7 +95,8 @@ class ResLinConfig(PretrainedConfig):
             `"kaczmarz"` (beta = sigmoid(b_proj x) / (||k||^2 + eps), raw keys, normalised queries; with
             the residual state, it is written with gamma / (||k||^2 + eps) and read with gamma).
         use_residual (`bool`, *optional*): add the residual state R with correction gate gamma.
-        residual_clip (`float`, defaults to 1.0): clip threshold c of the residual error.
+        residual_clip (`float`, defaults to 1.0): clip threshold c of the residual error; finite, as
+            config.json holds no infinity (a value far above the residuals, say 1e9, clips nothing).
         kaczmarz_eps (`float`, defaults to 1e-6): eps of the Kaczmarz step size.
         write_gate_bias (`bool`, defaults to False): `b_proj` (and `gamma_proj`) carry a bias, as in
             NVlabs' Gated DeltaNet checkpoints.

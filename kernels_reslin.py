@@ -48,7 +48,9 @@ except ImportError:  # no Triton installed: the "torch" backend serves everywher
 State = Tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
-def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend):
+def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend,
+                  state_name="initial_state"):
+    """`state_name`: what the caller calls the states: initial_state (S0, R0) or a decode step's state (S, R)."""
     if update not in UPDATE_RULES:
         raise ValueError(f"update must be one of {UPDATE_RULES}, got {update!r}")
     if backend not in BACKENDS:
@@ -63,6 +65,8 @@ def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_st
     if q.shape != k.shape:
         raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, H, Dk = q.shape
+    if B == 0 or T == 0:
+        raise ValueError(f"q, k and v hold no tokens (B = {B}, T = {T}): give at least one row of one token")
     if v.shape[:2] != (B, T):
         raise ValueError(f"v must be [B={B}, T={T}, HV, Dv] like q, got {tuple(v.shape)}")
     HV, Dv = v.shape[2], v.shape[3]
@@ -84,7 +88,8 @@ def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_st
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+                or cu_seqlens.is_floating_point():
             raise ValueError("cu_seqlens must be a 1-D integer tensor [0, ..., T] of length N + 1")
         message = f"cu_seqlens must start at 0, end at T = {T} and never decrease"
         if torch.compiler.is_compiling():
@@ -97,15 +102,16 @@ def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_st
         N = cu_seqlens.numel() - 1
 
     if initial_state is not None:
+        base, residual = ("S0", "R0") if state_name == "initial_state" else ("S", "R")
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
-            raise ValueError("initial_state must be a pair (S0, R0); R0 is None without gamma")
+            raise ValueError(f"{state_name} must be a pair ({base}, {residual}); {residual} is None without gamma")
         S0, R0 = initial_state
         if gamma is None and R0 is not None:
-            raise ValueError("initial_state has a residual state R0 but gamma is None")
-        for name, state in (("S0", S0), ("R0", R0)):
-            if state is not None and state.shape != (N, HV, Dk, Dv):
-                raise ValueError(f"initial state {name} must be [N, HV, Dk, Dv] = {(N, HV, Dk, Dv)}, "
-                                 f"got {tuple(state.shape)}")
+            raise ValueError(f"{state_name} has a residual state {residual} but gamma is None")
+        for name, state in ((base, S0), (residual, R0)):
+            if state is not None and (not torch.is_tensor(state) or state.shape != (N, HV, Dk, Dv)):
+                raise ValueError(f"{state_name}'s {name} must be [N, HV, Dk, Dv] = {(N, HV, Dk, Dv)}, got "
+                                 f"{tuple(state.shape) if torch.is_tensor(state) else type(state).__name__}")
 
 
 def reslin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -164,15 +170,21 @@ def reslin_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     calls at every step. Inputs shaped as for reslin_attention with T = 1 (the arguments after
     `state` keyword-only); S and R fp32 [B, HV, Dk, Dv] (R None without gamma). Returns
     o [B, 1, HV, Dv] in v's dtype."""
-    _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, state, None, backend)
+    if state is None:
+        raise ValueError("reslin_decode_step advances a state (S, R) in place: pass one (zeros to start)")
+    _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, state, None, backend, state_name="state")
     S, R = state
+    if S is None:
+        raise ValueError("state's S is None: a decode step advances a base state S")
     if q.shape[1] != 1:
         raise ValueError(f"reslin_decode_step takes one token (T = 1), got T = {q.shape[1]}")
     if (gamma is None) != (R is None):
         raise ValueError("state must hold a residual state R exactly when gamma is given")
     for name, x in (("S", S), ("R", R)):
-        if x is not None and (x.dtype != torch.float32 or not x.is_contiguous()):
-            raise ValueError(f"state {name} must be a contiguous fp32 tensor, got {x.dtype}")
+        if x is not None and x.dtype != torch.float32:
+            raise ValueError(f"state's {name} must be fp32, got {x.dtype}")
+        if x is not None and not x.is_contiguous():
+            raise ValueError(f"state's {name} must be contiguous (the step advances it in place): pass .contiguous()")
     needs_grad = _needs_grad(q, k, v, g, beta, gamma, gamma_write, S, R)
     backend = _resolve_backend(backend, q, v, None, needs_grad)
     o, S_next, R_next = _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S, R, None,

@@ -105,7 +105,7 @@ def _decay_matrix(row_log, col_log, strict):
 
 
 def _chunk_scan(q, k, v, g, strength, state, update, exclusive):
-    """Section 1's chunked form for one state. Inputs chunked and fp32: q, k [B, H, N, C, Dk],
+    """The chunked form (DESIGN.md section 3) for one state. Inputs chunked and fp32: q, k [B, H, N, C, Dk],
     v [B, H, N, C, Dv], g, strength [B, H, N, C]; state [B, H, Dk, Dv].
 
     Returns (o, pred, final state). With ``exclusive`` the outputs read the decayed OLD state,

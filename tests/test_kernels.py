@@ -8,7 +8,7 @@ Tolerances: relative error ||x - ref|| / ||ref|| <= 1e-4 between fp32 backends (
 import pytest
 import torch
 
-from kernels_reslin import reslin_attention
+from kernels_reslin import reslin_attention, reslin_decode_step
 
 RULES = [  # (name, update, residual)
     ("sgla", "additive", False),
@@ -213,15 +213,18 @@ def test_bad_inputs_raise_clear_errors():
         (dict(backend="cuda"), "backend must be one of"),
         (dict(clip=0.0), "clip must be > 0"),
         (dict(gamma=x["gamma"][:, :4]), "gamma must be"),
-        (dict(initial_state=(x["S0"][:, :2], None)), "initial state S0"),
-        (dict(initial_state=(x["S0"], x["R0"])), "gamma is None"),
+        (dict(initial_state=(x["S0"][:, :2], None)), "initial_state's S0 must be"),
+        (dict(initial_state=(x["S0"], x["R0"])), "initial_state has a residual state R0 but gamma is None"),
         (dict(cu_seqlens=torch.tensor([0, 5, 3, 8])), "never decrease"),
         (dict(cu_seqlens=torch.tensor([0, 5])), "end at T"),
+        (dict(cu_seqlens=[0, 8]), "cu_seqlens must be a 1-D integer tensor"),
         (dict(gamma_write=x["gamma"]), "needs gamma"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             reslin_attention(*args, **kwargs)
+    with pytest.raises(ValueError, match=r"hold no tokens \(B = 1, T = 0\)"):
+        reslin_attention(*(a[:, :0] for a in args))
     with pytest.raises(ValueError, match="multiple of"):
         reslin_attention(x["q"], x["k"], x["v"][:, :, :3], x["g"][..., :3], x["beta"][..., :3])
     with pytest.raises(ValueError, match="key head size"):
@@ -229,6 +232,25 @@ def test_bad_inputs_raise_clear_errors():
         reslin_attention(big, big, torch.randn(1, 2, 1, 8), torch.zeros(1, 2, 1), torch.ones(1, 2, 1))
     with pytest.raises(ValueError, match="same shape"):
         reslin_attention(x["q"], x["k"][:, :, :1], *args[2:])
+
+
+def test_bad_decode_states_raise_clear_errors():
+    x = make_inputs(2, 1, 2, 2, 8, 8, residual=True)
+    step = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    S, R = x["S0"].contiguous(), x["R0"].contiguous()
+    cases = [
+        (None, {}, "advances a state"),
+        ((S, R), {}, "state has a residual state R but gamma is None"),
+        ((S, None), {"gamma": x["gamma"]}, "exactly when gamma"),
+        ((S[:1], None), {}, "state's S must be"),
+        ((S.transpose(-1, -2), None), {}, "state's S must be contiguous"),
+        ((S.double(), None), {}, "state's S must be fp32"),
+    ]
+    for state, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            reslin_decode_step(*step, state, **kwargs)
+    with pytest.raises(ValueError, match="one token"):
+        reslin_decode_step(*(torch.cat([a, a], 1) for a in step), (S, None))
 
 
 def test_sequence_bounds_reads_a_tensor_once_until_it_changes():

@@ -203,17 +203,6 @@ def test_triton_backend_names_the_device_it_needs(monkeypatch):
         reslin_attention(*(x[n] for n in ("q", "k", "v", "g", "beta")), backend="triton")
 
 
-def test_decode_step_checks_its_state():
-    x = make_inputs(1, 1, 1, 1, 8, 8, residual=True)
-    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    with pytest.raises(ValueError, match="exactly when gamma"):
-        reslin_decode_step(*args, state=(x["S0"], None), gamma=x["gamma"])
-    with pytest.raises(ValueError, match="contiguous fp32"):
-        reslin_decode_step(*args, state=(x["S0"].double(), None))
-    with pytest.raises(ValueError, match="one token"):
-        reslin_decode_step(*(torch.cat([a, a], 1) for a in args), state=(x["S0"], None))
-
-
 # and one token; head sizes past one tile of the gradient kernels (64 key columns, 64 value
 # columns), so that they sum over key tiles and loop over value tiles as at D = 128 on a GPU; and
 # the largest head size, 256 (key tiles of 256 in the state kernels, fewer pipeline stages).
