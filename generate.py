@@ -74,7 +74,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here")
     source = model_source(args.model)
 

@@ -84,6 +84,7 @@ def test_main_command_streams_a_completion():
 @pytest.mark.parametrize("flags, message", [
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
     (["--model", str(REPO_ROOT / "tests")], "tests: the folder holds no config.json"),
+    (["--device", "foo"], "--device foo: not a device"),
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda: CUDA is not available here")]))
 def test_main_command_refuses_bad_flags_clearly(flags, message, capsys):
     import generate
