@@ -99,6 +99,15 @@ class ResLinDecodeGraph:
         return self.output
 
 
+def runs_only_its_forward(module):
+    """Whether calling `module` runs only its class's forward: no hooks (its own or global ones),
+    no forward replaced on the instance (accelerate's offloading replaces it). Code that reaches
+    past the module to its parts or its weights may do so only then."""
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module)
+                or torch.nn.modules.module._global_forward_hooks
+                or torch.nn.modules.module._global_forward_pre_hooks)
+
+
 def graph_can_run(model, cache, device):
     """Whether a generation step of `model` on `device` may be captured: every weight and every
     recurrent state there (not a cache filled elsewhere, nor a model split across devices or
@@ -146,6 +155,9 @@ class DeviceDecoding:
         config = model.config
         if (not config.generate_fast_path or synced_gpus or getattr(generation_config, "is_assistant", False)
                 or "full_attention" in config.layer_types or not model_kwargs.get("use_cache", True)):
+            return None
+        # A step calls the layers and lm_head itself, past the two models' forwards.
+        if not (runs_only_its_forward(model) and runs_only_its_forward(model.model)):
             return None
         if generation_config.return_dict_in_generate and any(getattr(generation_config, name, False)
                                                              for name in PER_STEP_OUTPUTS):

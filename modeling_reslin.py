@@ -39,7 +39,7 @@ try:
     from .configuration_reslin import ResLinConfig
     from .constants_reslin import MAX_HEAD_DIM  # noqa: F401
     from .context_parallel_reslin import context_parallel_forward  # noqa: F401
-    from .generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run
+    from .generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run, runs_only_its_forward
     from .inputs_reslin import (check_attention_mask, check_input_ids, check_labels, check_logits_to_keep,
                                 check_model_inputs, check_prompt)
     from .kernels_reslin import reslin_attention, reslin_decode_step
@@ -47,7 +47,7 @@ try:
 except ImportError:
     from cache_reslin import ResLinCache
     from configuration_reslin import ResLinConfig
-    from generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run
+    from generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run, runs_only_its_forward
     from inputs_reslin import (check_attention_mask, check_input_ids, check_labels, check_logits_to_keep,
                                check_model_inputs, check_prompt)
     from kernels_reslin import reslin_attention, reslin_decode_step
@@ -470,10 +470,8 @@ class ResLinMLP(nn.Module):
 
 def is_plain_linear(module):
     """A bias-free nn.Linear whose call runs only its own forward, so that its weight may be used
-    directly: not a PEFT adapter's wrapper, no hooks, no forward replaced (accelerate's offloading
-    replaces it)."""
-    return (type(module) is nn.Linear and module.bias is None and not module._forward_hooks
-            and not module._forward_pre_hooks and "forward" not in vars(module))
+    directly: not a PEFT adapter's wrapper, no hooks, no forward replaced."""
+    return type(module) is nn.Linear and module.bias is None and runs_only_its_forward(module)
 
 
 class ResLinBlock(GradientCheckpointingLayer):

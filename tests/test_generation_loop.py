@@ -225,6 +225,26 @@ def test_settings_it_does_not_take_run_transformers_loop(setting, fast_loop_runs
     assert fast_loop_runs == []
 
 
+@pytest.mark.parametrize("where", ["model", "model.model"])
+@pytest.mark.parametrize("hook", ["forward hook", "forward pre-hook", "forward replaced"])
+@torch.no_grad()
+def test_a_hooked_model_runs_transformers_loop(where, hook, fast_loop_runs):
+    """The own loop calls the layers and lm_head itself: hooks on the two models, or a forward
+    replaced on them, would be skipped at every step but the prompt's, so they take transformers' loop."""
+    model = build_model("gdn")
+    module = model if where == "model" else model.model
+    calls = []
+    if hook == "forward hook":
+        module.register_forward_hook(lambda *args: calls.append(1))
+    elif hook == "forward pre-hook":
+        module.register_forward_pre_hook(lambda *args: calls.append(1))
+    else:
+        forward = module.forward
+        module.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+    model.generate(torch.randint(3, 100, (2, 5)), max_new_tokens=6, do_sample=False)
+    assert fast_loop_runs == [] and len(calls) == 6  # the prompt, then 5 steps
+
+
 def rank_counts(model, ids, new_tokens, top_k):
     """Sample `new_tokens` tokens after every row of `ids` (one prompt repeated) with top-k, and
     compare the last token's rank in its distribution with the distribution itself: (observed
