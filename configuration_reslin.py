@@ -137,7 +137,7 @@ class ResLinConfig(PretrainedConfig):
             step feeds it back to itself, and the host reads tokens every few steps instead of at
             every one. Settings that loop does not take (beam search, stop strings, logits
             processors other than temperature, top-k, top-p, min-p and minimum lengths, scores in
-            the output, ...) run transformers' loop, as does `False`.
+            the output, hooks on the model, ...) run transformers' loop, as does `False`.
         tie_word_embeddings (`bool`, defaults to False): share `lm_head` with the input embeddings.
     """
 
