@@ -7,10 +7,6 @@ checks read no tensor values on the host: a device sync at every token costs mor
 import torch
 
 
-def check_input_ids(input_ids, vocab_size):
-    check_token_values("input_ids", input_ids, vocab_size)
-
-
 def check_token_values(name, tokens, vocab_size, ignore_index=None):
     """Every value in [0, vocab_size), or equal to `ignore_index` (labels), read in one device sync:
     out of range, the embedding lookup or the loss's gather fails inside torch (on CUDA a

@@ -40,16 +40,16 @@ try:
     from .constants_reslin import MAX_HEAD_DIM  # noqa: F401
     from .context_parallel_reslin import context_parallel_forward  # noqa: F401
     from .generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run, runs_only_its_forward
-    from .inputs_reslin import (check_attention_mask, check_input_ids, check_labels, check_logits_to_keep,
-                                check_model_inputs, check_prompt)
+    from .inputs_reslin import (check_attention_mask, check_labels, check_logits_to_keep,
+                                check_model_inputs, check_prompt, check_token_values)
     from .kernels_reslin import reslin_attention, reslin_decode_step
     from .kernels_reslin_torch import chunk_reslin, sequence_bounds  # noqa: F401
 except ImportError:
     from cache_reslin import ResLinCache
     from configuration_reslin import ResLinConfig
     from generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run, runs_only_its_forward
-    from inputs_reslin import (check_attention_mask, check_input_ids, check_labels, check_logits_to_keep,
-                               check_model_inputs, check_prompt)
+    from inputs_reslin import (check_attention_mask, check_labels, check_logits_to_keep,
+                               check_model_inputs, check_prompt, check_token_values)
     from kernels_reslin import reslin_attention, reslin_decode_step
     from kernels_reslin_torch import sequence_bounds
 try:
@@ -633,7 +633,7 @@ class ResLinModel(ResLinPreTrainedModel):
         # as a device-side assertion).
         decode_step = is_decode_step(cache, T)
         if input_ids is not None and not decode_step:
-            check_input_ids(input_ids, self.config.vocab_size)
+            check_token_values("input_ids", input_ids, self.config.vocab_size)
         if attention_mask is not None:
             attention_mask = check_attention_mask(attention_mask, B, past + T, check_values=not decode_step)
         # position_ids restarting at 0 mean packed sequences only in a fresh, unpadded row: with
