@@ -299,7 +299,9 @@ class ResLinLinearAttention(nn.Module):
         autograd is off."""
         if inference and runs_fused(self.fused, a):
             return fused_gates(a, b, c, self.A_log, self.dt_bias)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        # -logsigmoid(-x) is softplus(x) (to rounding): torch's softplus backward has fake strides
+        # that differ from its eager ones, which breaks compiled backwards (aot_eager, torch 2.13).
+        g = self.A_log.float().exp() * F.logsigmoid(-(a.float() + self.dt_bias.float()))
         return g, b.float().sigmoid(), None if c is None else c.float().sigmoid()
 
     def forward(self, x, attention_mask=None, position_ids=None, cache=None, cu_seqlens=None, norm=None):

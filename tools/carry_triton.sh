@@ -47,6 +47,8 @@ case "${1:-}" in
     (cd "$received" && cat part* | tee triton.tar.xz | sha256sum | cut -d' ' -f1 | diff - sha256)
     rm -rf /tmp/triton-site && mkdir /tmp/triton-site
     xz -dc "$received/triton.tar.xz" | tar xf - -C /tmp/triton-site
+    # The wheel was unpacked by Python's zipfile, which drops the execute bits of ptxas and co.
+    chmod +x /tmp/triton-site/triton/backends/nvidia/bin/*
     PYTHONPATH=/tmp/triton-site python3 -c "import triton; print('triton', triton.__version__, triton.__file__)"
     ;;
   *)
