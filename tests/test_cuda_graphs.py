@@ -235,13 +235,16 @@ class TestOnGPU:
             assert_same_generation(graph, eager)
 
     @torch.no_grad()
-    def test_continuing_a_returned_cache_reuses_its_graph(self):
-        model = cuda_model("rdn")
+    @pytest.mark.parametrize("fast_path", [False, True])
+    def test_continuing_a_returned_cache_reuses_its_graph(self, fast_path):
+        """transformers' loop keeps its step's graph on the cache, and a continuation replays it;
+        generate's own loop captures its graph for each call: both continue as a fresh call does."""
+        model = cuda_model("rdn", generate_fast_path=fast_path)
         ids = torch.randint(3, 100, (2, 5), device="cuda")
         first = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
         cache = cache_of(first)
         graph = cache.decode_graph
-        assert graph is not None
+        assert (graph is None) == fast_path
         extended = torch.cat([first.sequences, torch.randint(3, 100, (2, 3), device="cuda")], dim=1)
         continued = model.generate(extended, max_new_tokens=6, do_sample=False, cache=cache)
         assert cache.decode_graph is graph  # the continued prompt was copied into the same states

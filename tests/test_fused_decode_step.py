@@ -69,9 +69,10 @@ class TestOnGPU:
         for fused in (True, False):
             monkeypatch.setattr(reslin.modeling, "FUSED_DECODE_STEP", fused)
             cache = cache_of(model(ids[:, :32], use_cache=True))
+            step_input = model.model.embeddings(ids[:, 32:])
+            assert model.model.layers[0].takes_fused_decode_step(step_input, cache) == fused
             hidden[fused] = model.model(ids[:, 32:], cache=cache).last_hidden_state.float()
             caches[fused] = cache
-        assert model.model.layers[0].takes_fused_decode_step(hidden[True].bfloat16(), caches[True])
         scale = hidden[False].abs().max()
         torch.testing.assert_close(hidden[True], hidden[False], rtol=0, atol=2e-2 * float(scale))
         for a, b in zip(state_tensors(caches[True]), state_tensors(caches[False])):
