@@ -70,6 +70,16 @@ def test_model_is_trained(shipped):
     assert loss < 3.5, loss
 
 
+def test_generation_length_is_the_callers(shipped):
+    """The shipped generation config sets no length of its own: `max_length` as tools pass it
+    (lm-eval, pipelines) is obeyed, which a `max_new_tokens` there would override."""
+    model, tokenizer = shipped
+    ids = tokenizer("def add(a, b):", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert model.generate(ids, max_length=ids.shape[1] + 5, do_sample=False).shape[1] == ids.shape[1] + 5
+        assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+
+
 def test_main_command_streams_a_completion():
     """The README's main command, as a user runs it (greedy, on the CPU)."""
     prompt = "def fibonacci(n):"
