@@ -608,7 +608,7 @@ class ResLinModel(ResLinPreTrainedModel):
         past_key_values=None,
         **kwargs,
     ):
-        cache = resolve_cache_keyword(cache, past_key_values)
+        cache = resolve_cache_keyword(cache, past_key_values, kwargs)
         # Training needs no cache by default (FLA's models do the same): it would only ask the
         # kernels for final states nobody reads.
         use_cache = use_cache if use_cache is not None else self.config.use_cache and not self.training
@@ -782,11 +782,16 @@ def requests_assisted_decoding(generation_config, generate_kwargs):
     return config.get_generation_mode(generate_kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION
 
 
-def resolve_cache_keyword(cache, past_key_values):
-    # transformers 5.24's generate passes `cache=`, 5.17's `past_key_values=`: accept both.
-    if cache is not None and past_key_values is not None and cache is not past_key_values:
-        raise ValueError("Pass the cache as either `cache` or `past_key_values`, not two different ones")
-    return cache if cache is not None else past_key_values
+def resolve_cache_keyword(cache, past_key_values, kwargs=None):
+    """The cache under any name it is passed by: `cache` (transformers 5.24's generate),
+    `past_key_values` (5.17's, and most models'), `cache_params` (Mamba's) or `past_key_value`
+    (older models'). The last two are taken out of `kwargs`, where they would go unread."""
+    others = () if kwargs is None else (kwargs.pop("cache_params", None), kwargs.pop("past_key_value", None))
+    given = [c for c in (cache, past_key_values, *others) if c is not None]
+    if any(c is not given[0] for c in given[1:]):
+        raise ValueError("Pass the cache under one name (`cache`, `past_key_values`, `cache_params` or "
+                         "`past_key_value`), not two different ones")
+    return given[0] if given else None
 
 
 class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
@@ -826,11 +831,12 @@ class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
         `logits_to_keep`: an int keeps the logits of that many last positions (0 = all), a tensor
         selects positions."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        cache = resolve_cache_keyword(cache, past_key_values, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=resolve_cache_keyword(cache, past_key_values),
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,

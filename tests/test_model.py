@@ -116,23 +116,33 @@ def test_prefill_then_decode_equals_full_forward(tiny_model, mixer):
 
 
 @torch.no_grad()
-def test_both_cache_keywords_decode_identically(tiny_model):
+def test_every_cache_keyword_decodes_identically(tiny_model):
+    """`cache`, `past_key_values`, Mamba's `cache_params` and older models' `past_key_value`, on
+    the causal LM and on the base model."""
     model = tiny_model("hybrid")
     ids = torch.randint(1, 100, (2, 8))
+    keywords = ("cache", "past_key_values", "cache_params", "past_key_value")
     logits = {}
-    for keyword in ("cache", "past_key_values"):
+    for keyword in keywords:
         out = model(ids[:, :4], use_cache=True)
         steps = [out.logits]
         for t in range(4, 8):
             out = model(ids[:, t:t + 1], use_cache=True, **{keyword: cache_of(out)})
             steps.append(out.logits)
         logits[keyword] = torch.cat(steps, dim=1)
-    assert torch.equal(logits["cache"], logits["past_key_values"])
+    for keyword in keywords[1:]:
+        assert torch.equal(logits[keyword], logits["cache"]), keyword
     torch.testing.assert_close(logits["cache"], model(ids).logits, rtol=0, atol=ATOL)
+    for keyword in keywords:
+        cache = cache_of(model(ids[:, :4]))
+        model.model(ids[:, 4:5], **{keyword: cache})
+        assert cache.get_seq_length() == 5, keyword
     first = cache_of(model(ids[:, :4]))
     second = cache_of(model(ids[:, :4]))
-    with pytest.raises(ValueError, match="either"):
-        model(ids[:, 4:5], cache=first, past_key_values=second)
+    for keyword in keywords[1:]:
+        with pytest.raises(ValueError, match="under one name"):
+            model(ids[:, 4:5], cache=first, **{keyword: second})
+    model(ids[:, 4:5], cache=first, cache_params=first)  # the same cache twice is no conflict
 
 
 def test_cache_from_another_model_is_refused(tiny_model):
