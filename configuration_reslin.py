@@ -252,6 +252,11 @@ class ResLinConfig(PretrainedConfig):
         if name == "attn_type" and value in ATTN_PRESETS:
             for setting, preset_value in ATTN_PRESETS[value].items():
                 super().__setattr__(setting, preset_value)
+        # A stack of one layer type follows a new layer count (from_pretrained(path,
+        # num_hidden_layers=2), as transformers' models allow); a mixed stack's types must be given anew.
+        layer_types = getattr(self, "layer_types", None)
+        if name == "num_hidden_layers" and isinstance(value, int) and layer_types and len(set(layer_types)) == 1:
+            super().__setattr__("layer_types", layer_types[:1] * value)
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
@@ -299,7 +304,8 @@ class ResLinConfig(PretrainedConfig):
 
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types must have one entry per layer (num_hidden_layers = "
-                             f"{self.num_hidden_layers}), got {len(self.layer_types)}")
+                             f"{self.num_hidden_layers}), got {len(self.layer_types)}: a stack that mixes "
+                             f"layer types needs layer_types given with a new num_hidden_layers")
         for layer_type in self.layer_types:
             _choice("layer_types entries", layer_type, LAYER_TYPES)
         _positive_int("num_attention_heads", self.num_attention_heads)

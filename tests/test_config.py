@@ -147,6 +147,22 @@ def test_from_pretrained_overrides_switch_presets_and_are_checked(reslin, tiny_c
             reslin.ResLinConfig.from_pretrained(tmp_path, **override)
 
 
+def test_a_new_layer_count_resizes_a_stack_of_one_layer_type(reslin, tiny_config, tmp_path):
+    """As transformers' models allow: from_pretrained(path, num_hidden_layers=n), or the field
+    assigned before building; a stack mixing layer types needs its layer_types given anew."""
+    tiny_config("rdn").save_pretrained(tmp_path)
+    config = reslin.ResLinConfig.from_pretrained(tmp_path, num_hidden_layers=1)
+    assert config.layer_types == ["linear_attention"]
+    config.num_hidden_layers = 3
+    assert len(reslin.ResLinForCausalLM(config).model.layers) == 3
+    mixed = reslin.ResLinConfig(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    mixed.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="layer_types given with a new num_hidden_layers"):
+        reslin.ResLinConfig.from_pretrained(tmp_path, num_hidden_layers=3)
+    config = reslin.ResLinConfig.from_pretrained(tmp_path, num_hidden_layers=1, layer_types=["full_attention"])
+    assert config.layer_types == ["full_attention"]
+
+
 def test_auto_classes_check_overrides(reslin, repo_copy, load_remote):
     """The same through the Auto classes and the remote-code loader, before any weight is read."""
     with pytest.raises(ValueError, match="attn_type"):
