@@ -127,7 +127,8 @@ class ResLinConfig(PretrainedConfig):
         kernel_backend (`str`, defaults to `"auto"`): `reslin_attention` backend: `auto`, `torch`,
             `triton` or `recurrent`. With `auto` and `triton` the norms, short convolutions and
             SwiGLU also run fused Triton kernels on CUDA (kernels_reslin_triton_layers.py); `torch`
-            and `recurrent` keep every layer in torch code.
+            and `recurrent` keep every layer in torch code. Read when the model is built: pass it to
+            `from_pretrained` (a model refuses to run after `model.config.kernel_backend` changes).
         decode_cuda_graphs (`bool`, defaults to `True`): on CUDA, replay each generation step of a model
             whose layers are all linear attention from a CUDA graph captured at the cache's first step
             (see `ResLinDecodeGraph` in modeling_reslin.py); `False` runs every step eagerly. Read at

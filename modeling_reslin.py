@@ -587,6 +587,9 @@ class ResLinModel(ResLinPreTrainedModel):
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList([ResLinBlock(config, i) for i in range(config.num_hidden_layers)])
         self.norm = ResLinRMSNorm(config.hidden_size, eps=config.norm_eps, fused=uses_fused_layers(config))
+        # The layers take their kernels when built (which are fused, which backend): a later
+        # assignment to config.kernel_backend would go unread, so forward refuses it.
+        self.kernel_backend = config.kernel_backend
         self.post_init()
 
     def get_input_embeddings(self):
@@ -609,6 +612,10 @@ class ResLinModel(ResLinPreTrainedModel):
         **kwargs,
     ):
         cache = resolve_cache_keyword(cache, past_key_values, kwargs)
+        if self.config.kernel_backend != self.kernel_backend:
+            raise ValueError(f"config.kernel_backend was set to {self.config.kernel_backend!r} after the model was "
+                             f"built with {self.kernel_backend!r}: the layers choose their kernels when built, so "
+                             f"pass it when loading (from_pretrained(path, kernel_backend=...))")
         # Training needs no cache by default (FLA's models do the same): it would only ask the
         # kernels for final states nobody reads.
         use_cache = use_cache if use_cache is not None else self.config.use_cache and not self.training

@@ -145,6 +145,15 @@ def test_every_cache_keyword_decodes_identically(tiny_model):
     model(ids[:, 4:5], cache=first, cache_params=first)  # the same cache twice is no conflict
 
 
+def test_kernel_backend_assigned_after_building_is_refused(tiny_model):
+    """The layers choose their kernels when built: a later config.kernel_backend would go unread."""
+    model = tiny_model("rdn")
+    ids = torch.randint(1, 100, (1, 5))
+    model.config.kernel_backend = "recurrent"
+    with pytest.raises(ValueError, match="after the model was built"):
+        model(ids)
+
+
 def test_cache_from_another_model_is_refused(tiny_model):
     model = tiny_model("rdn")
     ids = torch.randint(1, 100, (2, 4))
