@@ -647,9 +647,13 @@ class ResLinModel(ResLinPreTrainedModel):
             attention_mask = check_attention_mask(attention_mask, B, past + T, check_values=not decode_step)
         # position_ids restarting at 0 mean packed sequences only in a fresh, unpadded row: with
         # padding or a cache they are positions of one sequence.
-        cu_seqlens = packed_sequences(position_ids, kwargs.get("cu_seq_lens_q"), B, T,
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        cu_seqlens = packed_sequences(position_ids, kwargs.get("cu_seq_lens_q"), B, T, device,
                                       detect=cache is None and attention_mask is None)
         if cu_seqlens is not None:
+            if position_ids is None:  # cu_seq_lens_q alone: the positions restart at each sequence's start
+                tokens = torch.arange(T, device=device)
+                position_ids = (tokens - cu_seqlens[torch.searchsorted(cu_seqlens, tokens, right=True) - 1])[None]
             if cache is not None:
                 raise ValueError("packed sequences (position_ids restarting at 0, or cu_seq_lens_q) cannot use a cache")
             if attention_mask is not None:
@@ -711,10 +715,11 @@ class ResLinModel(ResLinPreTrainedModel):
         return hidden_states
 
 
-def packed_sequences(position_ids, cu_seq_lens_q, batch_size, length, detect):
+def packed_sequences(position_ids, cu_seq_lens_q, batch_size, length, device, detect):
     """cu_seqlens [N + 1] of packed sequences in one row, or None. transformers' padding-free
     collator (DataCollatorWithFlattening) marks them by position_ids that restart at 0 (looked
-    for when `detect`) and, with return_flash_attn_kwargs=True, also passes cu_seq_lens_q."""
+    for when `detect`), or passes cu_seq_lens_q (return_flash_attn_kwargs=True), with or without
+    position_ids."""
     if cu_seq_lens_q is None:
         if not detect or position_ids is None or batch_size != 1:
             return None
@@ -724,9 +729,7 @@ def packed_sequences(position_ids, cu_seq_lens_q, batch_size, length, detect):
         cu_seq_lens_q = torch.cat([starts, starts.new_tensor([length])])
     if batch_size != 1:
         raise ValueError(f"packed sequences come in one row (batch size 1), got batch size {batch_size}")
-    if position_ids is None:
-        raise ValueError("packed sequences need position_ids that restart at 0 for each sequence")
-    return cu_seq_lens_q.to(device=position_ids.device, dtype=torch.long)
+    return cu_seq_lens_q.to(device=device, dtype=torch.long)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):

@@ -409,6 +409,23 @@ def test_padding_free_collator_trains_on_packed_sequences(tiny_model):
         torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-6)
 
 
+@torch.no_grad()
+def test_packed_sequences_need_no_position_ids_beside_cu_seq_lens_q(tiny_model):
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False): the
+    positions, which the short convolutions and RoPE read, restart at each sequence's start."""
+    from transformers import DataCollatorWithFlattening
+
+    rows = [torch.randint(1, 100, (n,)) for n in (6, 3, 8)]
+    features = [{"input_ids": r.tolist()} for r in rows]
+    with_positions = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)(features)
+    without = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)(features)
+    assert "position_ids" not in without
+    model = tiny_model("hybrid")
+    expected = model(**with_positions)
+    got = model(**without)
+    assert torch.equal(got.logits, expected.logits) and torch.equal(got.loss, expected.loss)
+
+
 def test_packed_sequences_refuse_a_cache_and_padding(tiny_model, reslin):
     model = tiny_model("rdn")
     ids = torch.randint(1, 100, (1, 6))
