@@ -143,5 +143,6 @@ def check_attention_mask(attention_mask, batch_size, total_length, check_values=
         raise ValueError("attention_mask must contain only 0 (padding) and 1 (token)")
     if not contiguous:
         raise ValueError("attention_mask has padding between tokens: each row's ones must be contiguous "
-                         "(left or right padding only)")
+                         "(left or right padding only). generate, given no attention_mask, makes one from "
+                         "pad_token_id: a prompt with that token inside it needs its own attention_mask")
     return None if unpadded else mask
