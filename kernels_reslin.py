@@ -21,6 +21,9 @@ of 16, with its backward), "auto" (Triton on CUDA where the head sizes allow; "t
 elsewhere). ``reslin_decode_step`` advances a generation cache's states in place by one token.
 """
 
+import contextlib
+import math
+import numbers
 import os
 from typing import Optional, Tuple
 
@@ -43,20 +46,39 @@ try:
         from kernels_reslin_triton import decode_step_call as triton_decode_step
 except ImportError:  # no Triton installed: the "torch" backend serves everywhere
     triton_chunk_attention = triton_decode_step = None
+# Whether the Triton kernels run in Triton's CPU interpreter, which computes anything but fp32
+# wrongly without an error. triton.jit reads the variable where the kernels are defined: at the
+# import just above.
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 State = Tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
-def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend,
+def _positive_float(name, value, infinity_means=None):
+    """`value`, a real number or a tensor of one, as a float; refused unless > 0, and finite unless
+    `infinity_means` says what infinity stands for. A bool is refused: never a threshold or scale."""
+    requirement = f"> 0 (use float('inf') for {infinity_means})" if infinity_means else "finite and > 0"
+    is_tensor = torch.is_tensor(value)
+    if isinstance(value, bool) or not (is_tensor or isinstance(value, numbers.Real)) or \
+            (is_tensor and (value.numel() != 1 or value.dtype == torch.bool or value.is_complex())):
+        raise ValueError(f"{name} must be a real number, {requirement}, got {value!r}")
+    number = float(value)
+    if not number > 0 or (math.isinf(number) and not infinity_means):
+        raise ValueError(f"{name} must be {requirement}, got {number!r}")
+    return number
+
+
+def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, initial_state, cu_seqlens, backend,
                   state_name="initial_state"):
-    """`state_name`: what the caller calls the states: initial_state (S0, R0) or a decode step's state (S, R)."""
+    """`state_name`: what the caller calls the states: initial_state (S0, R0) or a decode step's state (S, R).
+    Reads no tensor values on the host but a tensor clip or scale and cu_seqlens (once per tensor,
+    see sequence_bounds). Returns (clip, scale) as floats, scale defaulting to Dk ** -0.5."""
     if update not in UPDATE_RULES:
         raise ValueError(f"update must be one of {UPDATE_RULES}, got {update!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not clip > 0:
-        raise ValueError(f"clip must be > 0 (use float('inf') for no clipping), got {clip!r}")
+    clip = _positive_float("clip", clip, infinity_means="no clipping")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             raise ValueError(f"{name} must be [B, T, heads, head_dim], got shape {tuple(x.shape)}")
@@ -70,6 +92,8 @@ def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_st
     if v.shape[:2] != (B, T):
         raise ValueError(f"v must be [B={B}, T={T}, HV, Dv] like q, got {tuple(v.shape)}")
     HV, Dv = v.shape[2], v.shape[3]
+    if H == 0 or HV == 0:
+        raise ValueError(f"q, k and v must have at least one head, got H = {H} (q, k) and HV = {HV} (v)")
     if HV % H:
         raise ValueError(f"v's head count {HV} must be a multiple of q/k's head count {H}")
     for name, size in (("key head size Dk", Dk), ("value head size Dv", Dv)):
@@ -78,11 +102,14 @@ def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_st
     for name, x in (("g", g), ("beta", beta), ("gamma", gamma), ("gamma_write", gamma_write)):
         if x is not None and x.shape != (B, T, HV):
             raise ValueError(f"{name} must be [B, T, HV] = {(B, T, HV)}, got {tuple(x.shape)}")
+        if x is not None and not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
     if gamma_write is not None and gamma is None:
         raise ValueError("gamma_write is the residual state's write strength: it needs gamma")
     devices = {x.device for x in (q, k, v, g, beta, gamma, gamma_write) if x is not None}
     if len(devices) > 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    scale = Dk ** -0.5 if scale is None else _positive_float("scale", scale)
 
     N = B
     if cu_seqlens is not None:
@@ -91,6 +118,8 @@ def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_st
         if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
                 or cu_seqlens.is_floating_point():
             raise ValueError("cu_seqlens must be a 1-D integer tensor [0, ..., T] of length N + 1")
+        if cu_seqlens.device != q.device and cu_seqlens.device.type != "cpu":  # the Triton backend copies a CPU one
+            raise ValueError(f"cu_seqlens must be on the inputs' device {q.device} or the CPU, got {cu_seqlens.device}")
         message = f"cu_seqlens must start at 0, end at T = {T} and never decrease"
         if torch.compiler.is_compiling():
             # Reading the values on the host would break torch.compile's graph: the device checks them.
@@ -109,9 +138,17 @@ def _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_st
         if gamma is None and R0 is not None:
             raise ValueError(f"{state_name} has a residual state {residual} but gamma is None")
         for name, state in ((base, S0), (residual, R0)):
-            if state is not None and (not torch.is_tensor(state) or state.shape != (N, HV, Dk, Dv)):
+            if state is None:
+                continue
+            if not torch.is_tensor(state) or state.shape != (N, HV, Dk, Dv):
                 raise ValueError(f"{state_name}'s {name} must be [N, HV, Dk, Dv] = {(N, HV, Dk, Dv)}, got "
                                  f"{tuple(state.shape) if torch.is_tensor(state) else type(state).__name__}")
+            if not state.is_floating_point():
+                raise ValueError(f"{state_name}'s {name} must be a floating-point tensor, got {state.dtype}")
+            if state.device != q.device:
+                raise ValueError(f"{state_name}'s {name} is on {state.device}, the inputs on {q.device}: "
+                                 f"give it on the inputs' device")
+    return clip, scale
 
 
 def reslin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -145,9 +182,13 @@ def reslin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         o: [B, T, HV, Dv] in v's dtype; final_state: (S, R) fp32 ([N, HV, Dk, Dv]; R None
         without gamma), or None unless output_final_state.
     """
-    _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, initial_state, cu_seqlens, backend)
+    if torch.is_tensor(cu_seqlens):
+        # The Triton kernels index its memory directly; a no-op for the contiguous ones callers make.
+        cu_seqlens = cu_seqlens.contiguous()
+    clip, scale = _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, initial_state, cu_seqlens,
+                                backend)
     needs_grad = _needs_grad(q, k, v, g, beta, gamma, gamma_write, *(initial_state or ()))
-    backend = _resolve_backend(backend, q, v, cu_seqlens, needs_grad)
+    backend = _resolve_backend(backend, (q, k, v, g, beta, gamma, gamma_write), cu_seqlens, needs_grad)
     B, T, H, Dk = q.shape
     HV, Dv = v.shape[2:]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -172,7 +213,8 @@ def reslin_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     o [B, 1, HV, Dv] in v's dtype."""
     if state is None:
         raise ValueError("reslin_decode_step advances a state (S, R) in place: pass one (zeros to start)")
-    _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, state, None, backend, state_name="state")
+    clip, scale = _check_inputs(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, state, None, backend,
+                                state_name="state")
     S, R = state
     if S is None:
         raise ValueError("state's S is None: a decode step advances a base state S")
@@ -185,8 +227,15 @@ def reslin_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
             raise ValueError(f"state's {name} must be fp32, got {x.dtype}")
         if x is not None and not x.is_contiguous():
             raise ValueError(f"state's {name} must be contiguous (the step advances it in place): pass .contiguous()")
+        if x is not None and x.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(f"state's {name} was made under torch.inference_mode() and the step advances it in "
+                             f"place, which torch allows only inside inference_mode: step inside it too, or pass "
+                             f"a state made outside it")
+        if x is not None and x.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"state's {name} requires grad, but the step advances it in place: pass a state "
+                             f"that does not (.detach()), or use reslin_attention for a differentiable step")
     needs_grad = _needs_grad(q, k, v, g, beta, gamma, gamma_write, S, R)
-    backend = _resolve_backend(backend, q, v, None, needs_grad)
+    backend = _resolve_backend(backend, (q, k, v, g, beta, gamma, gamma_write), None, needs_grad)
     o, S_next, R_next = _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S, R, None,
                              needs_grad)
     if S_next is not S:  # the torch backends return new states; the Triton kernel wrote in place
@@ -196,26 +245,38 @@ def reslin_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return o
 
 
+# The chunked forms decay by exp(G_i - G_j), G the cumulative log decay in a chunk: g = -inf (a hard
+# reset) makes that -inf - (-inf) = NaN, and a very negative finite g swamps the small g summed
+# after it in fp32. exp(-100) ~ 4e-44 is zero for every fp32 purpose, so this floor changes no
+# output, and the floor's zero gradient below it is right: the output does not depend on g there.
+# The per-token forms (the reference, the decode step) take exp(g) alone and are exact at any g.
+LOG_DECAY_FLOOR = -100.0
+
+
 def _run(backend, q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens, needs_grad):
-    """Checked inputs, a concrete backend and fp32 states (the decode kernel advances them in
-    place); `needs_grad`: whether autograd needs a backward of this call. Returns (o in v's
-    dtype, S, R)."""
-    H, Dk = q.shape[2:]
-    HV = v.shape[2]
+    """Checked inputs (clip and scale floats), a concrete backend and fp32 states (the decode kernel
+    advances them in place); `needs_grad`: whether autograd needs a backward of this call.
+    Returns (o in v's dtype, S, R)."""
+    H, HV = q.shape[2], v.shape[2]
     if gamma is not None and gamma_write is None:
         gamma_write = gamma
-    if scale is None:
-        scale = Dk ** -0.5
-    if backend == "triton" and _is_decode(q, cu_seqlens, needs_grad):
-        o = triton_decode_step(q, k, v, g, beta, gamma, gamma_write, S0, R0, update, float(clip), scale)
+    decode = _is_decode(q, cu_seqlens, needs_grad)
+    if backend == "triton" and decode:
+        o = triton_decode_step(q, k, v, g, beta, gamma, gamma_write, S0, R0, update, clip, scale)
         return o, S0, R0
+    if backend != "recurrent" and not decode:
+        g = g.clamp(min=LOG_DECAY_FLOOR)
     if backend == "triton":
-        return triton_chunk_attention(q, k, v, g, beta, gamma, gamma_write, update, float(clip), scale, S0, R0,
-                                      cu_seqlens, needs_grad)
+        return triton_chunk_attention(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens,
+                                      needs_grad)
     if HV != H:
         q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
     run = recurrent_reslin if backend == "recurrent" else chunk_reslin
-    o, S, R = run(q, k, v, g, beta, gamma, gamma_write, update, float(clip), scale, S0, R0, cu_seqlens)
+    # The torch backends compute in fp32, as the Triton kernels do: autocast would run their
+    # matmuls in bf16. (A device without autocast, such as meta, has nothing to turn off.)
+    device = q.device.type
+    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
+        o, S, R = run(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, S0, R0, cu_seqlens)
     return o.to(v.dtype), S, R
 
 
@@ -230,22 +291,32 @@ def _is_decode(q, cu_seqlens, needs_grad):
     return q.shape[1] == 1 and cu_seqlens is None and not needs_grad
 
 
-def _resolve_backend(backend, q, v, cu_seqlens, needs_grad):
-    """The concrete backend for this call: "auto" takes Triton where a Triton kernel applies."""
+def _not_fp32(tensors):
+    """The dtypes other than fp32 among `tensors` (None skipped), as sorted names."""
+    return sorted({str(x.dtype) for x in tensors if x is not None and x.dtype != torch.float32})
+
+
+def _resolve_backend(backend, inputs, cu_seqlens, needs_grad):
+    """The concrete backend for this call: "auto" takes Triton where a Triton kernel applies.
+    `inputs`: q, k, v, g, beta, gamma, gamma_write (the last two may be None)."""
+    q, v = inputs[0], inputs[2]
     decode = _is_decode(q, cu_seqlens, needs_grad)
     # The chunked kernels take head sizes in multiples of CHUNKED_HEAD_DIM_MULTIPLE: on the H200 a
     # key head size of 100 gave wrong outputs and illegal addresses (48, 64, 72, 80, 128, 256 were
     # right), while Triton's interpreter computes it right: not yet understood.
     head_sizes_fit = all(x.shape[-1] % CHUNKED_HEAD_DIM_MULTIPLE == 0 for x in (q, v))
     if backend == "auto":
-        triton_applies = triton_decode_step is not None and q.is_cuda
-        return "triton" if triton_applies and (decode or head_sizes_fit) else "torch"
+        triton_applies = triton_decode_step is not None and q.is_cuda and (decode or head_sizes_fit)
+        return "triton" if triton_applies and not (TRITON_INTERPRETED and _not_fp32(inputs)) else "torch"
     if backend == "triton":
         if triton_decode_step is None:
             raise ImportError("backend='triton' needs the triton package: install it, or use backend='torch'")
         if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"backend='triton' runs on CUDA tensors (or in Triton's interpreter, "
                              f"TRITON_INTERPRET=1), got tensors on {q.device}")
+        if TRITON_INTERPRETED and _not_fp32(inputs):
+            raise ValueError(f"Triton's interpreter (TRITON_INTERPRET=1) computes only fp32 right, got inputs in "
+                             f"{', '.join(_not_fp32(inputs))}: pass fp32 inputs, or use backend='torch' or 'auto'")
         if not (decode or head_sizes_fit):
             raise ValueError(f"the chunked Triton kernels take head sizes that are multiples of "
                              f"{CHUNKED_HEAD_DIM_MULTIPLE}; got Dk = {q.shape[-1]}, Dv = {v.shape[-1]}: "

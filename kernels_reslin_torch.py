@@ -81,9 +81,13 @@ def recurrent_reslin(q, k, v, g, beta, gamma, gamma_write, update, clip, scale, 
     outputs, finals_S, finals_R = [], [], []
     bounds = sequence_bounds(cu_seqlens)
     for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        S, R = S0[n:n + 1], None if R0 is None else R0[n:n + 1]
+        if start == end:  # an empty sequence: no outputs, its states pass through
+            finals_S.append(S)
+            finals_R.append(R)
+            continue
         piece = [None if x is None else x[:, start:end] for x in f32]
-        o, S, R = _recurrent_one(*piece, update, clip, scale, S0[n:n + 1],
-                                 None if R0 is None else R0[n:n + 1])
+        o, S, R = _recurrent_one(*piece, update, clip, scale, S, R)
         outputs.append(o)
         finals_S.append(S)
         finals_R.append(R)
