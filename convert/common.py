@@ -3,8 +3,9 @@ ResLin folder, the probe.
 
 A conversion never holds the model twice: tensors stream from one source file at a time into
 safetensors shards of at most `max_shard_size` bytes, each written as soon as it is full. The
-destination is assembled in a hidden sibling folder and renamed into place only when everything
-(weights, config, code, checks, probe) succeeded, so a failure leaves nothing half-written.
+destination is assembled in a hidden folder beside it (or in the nearest existing folder above it)
+and renamed into place only when everything (weights, config, code, checks, probe) succeeded, so a
+failure leaves nothing half-written and makes no folders.
 """
 
 import functools
@@ -17,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -32,10 +33,13 @@ class ConversionError(Exception):
 
 
 def parse_size(text):
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)\s*", text.upper())
+    match = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([KMG]?B)\s*", text.upper())
     if not match:
         raise ConversionError(f"--max-shard-size must look like 5GB, 500MB or 100KB, got {text!r}")
-    return int(float(match[1]) * {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}[match[2]])
+    size = int(float(match[1]) * {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}[match[2]])
+    if size < 1:
+        raise ConversionError(f"--max-shard-size must be at least 1 byte, got {text!r}")
+    return size
 
 
 def read_json(path):
@@ -49,7 +53,13 @@ def iter_tensors(path):
     """(name, tensor) of one weight file, one tensor in memory at a time where the format allows."""
     path = Path(path)
     if path.suffix == ".safetensors":
-        with safe_open(str(path), framework="pt") as f:
+        try:
+            # Checks the header and that the data covers every tensor it lists.
+            handle = safe_open(str(path), framework="pt")
+        except SafetensorError as error:
+            raise ConversionError(f"cannot read {path}: {error} (a truncated or corrupt file, e.g. an "
+                                  "interrupted download?)") from None
+        with handle as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
         return
@@ -200,11 +210,18 @@ def repo_file_names(repo_id, commit, folder):
         return {p.name for p in folder.iterdir()}
 
 
+def nearest_existing_parent(path):
+    return next(parent for parent in path.parents if parent.exists())
+
+
 def check_destination(src, dst, force):
     src, dst = Path(src).resolve(), Path(dst).resolve()
     for a, b, relation in ((dst, src, "inside the source"), (src, dst, "a folder that holds the source")):
         if a == b or b in a.parents:
             raise ConversionError(f"--dst {dst} is {relation} {src}: refusing to write there")
+    parent = nearest_existing_parent(dst)
+    if not parent.is_dir():
+        raise ConversionError(f"--dst {dst} cannot be made: {parent} is a file, not a folder")
     if dst.exists() and not force:
         raise ConversionError(f"--dst {dst} exists: pass --force to replace it")
     if dst.exists() and not dst.is_dir():
@@ -221,16 +238,16 @@ def check_destination(src, dst, force):
 
 
 def expected_tensors(folder):
-    """name -> shape of every tensor the ResLin model in `folder` loads, from a model on the meta device."""
+    """name -> tensor (shape and dtype, on the meta device) of every tensor the ResLin model in `folder` loads."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(folder), trust_remote_code=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    tensors = model.state_dict()
     if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight")  # saved once, as the embeddings
-    return shapes
+        tensors.pop("lm_head.weight")  # saved once, as the embeddings
+    return tensors
 
 
 def convert(src, dst, attn_type, layout, dtype=None, max_shard_size="5GB", force=False, probe=True):
@@ -244,8 +261,9 @@ def convert(src, dst, attn_type, layout, dtype=None, max_shard_size="5GB", force
     if dtype is not None:
         config["dtype"] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    # Staged in the nearest existing folder above dst: the same file system as dst, so the final rename
+    # is atomic, and the folders dst lacks are made only once everything succeeded.
+    stage = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=nearest_existing_parent(dst)))
     try:
         write_code_and_config(stage, config)
         expected = expected_tensors(stage)
@@ -259,6 +277,7 @@ def convert(src, dst, attn_type, layout, dtype=None, max_shard_size="5GB", force
             print_probe(stage, attn_type)
         if dst.exists():
             shutil.rmtree(dst)
+        dst.parent.mkdir(parents=True, exist_ok=True)
         os.replace(stage, dst)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -291,9 +310,12 @@ def write_weights(folder, layout, weight_files, expected, dtype, max_shard_bytes
                                           f"{target!r} (a source option that this conversion does not support?)")
                 if target in written:
                     raise ConversionError(f"tensor {name!r} in {path.name} appears twice (as {written[target]!r})")
-                if tuple(tensor.shape) != expected[target]:
+                if tensor.shape != expected[target].shape:
                     raise ConversionError(f"tensor {name!r} has shape {tuple(tensor.shape)}, but the configuration "
-                                          f"implies {expected[target]}")
+                                          f"implies {tuple(expected[target].shape)}")
+                if expected[target].is_floating_point() and not tensor.is_floating_point():
+                    raise ConversionError(f"tensor {name!r} in {path.name} has dtype {tensor.dtype}: {target!r} is a "
+                                          "floating-point weight")
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                     raise ConversionError(f"tensor {name!r} in {path.name} holds NaN or inf values")
                 out = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor

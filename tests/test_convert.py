@@ -376,6 +376,8 @@ BAD_FLA = {
                        "unexpected tensor 'model.layers.0.attn.D'"),
     "shape": (dict(head_dim=8), None, "has shape"),
     "nan": (None, _set_nan, "'model.layers.1.attn.k_proj.weight' in model.safetensors holds NaN or inf"),
+    "integer dtype": (None, lambda s: s.update({"model.layers.0.attn.dt_bias": s["model.layers.0.attn.dt_bias"].long()}),
+                      "'model.layers.0.attn.dt_bias' in model.safetensors has dtype torch.int64"),
     "hybrid settings differ": (dict(attn=[{"layers": [0], "num_heads": 2}, {"layers": [1], "num_heads": 4}]), None,
                                "differ"),
 }
@@ -427,6 +429,48 @@ def test_destination_rules(tmp_path, capsys):
     (tmp_path / "out" / ".git").rmdir()
     code, _, err = run(capsys, *common, "--dst", tmp_path / "out", "--force")
     assert code == 0 and not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").exists()
+
+
+def test_truncated_safetensors_is_refused(tmp_path, capsys):
+    fla_folder_from_reslin(tmp_path / "fla")
+    weights = tmp_path / "fla" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    code, _, err = run(capsys, "--src", tmp_path / "fla", "--dst", tmp_path / "out", "--attn-type", "gdn")
+    assert code == 1 and f"cannot read {weights}" in err and "truncated" in err, err
+    assert weights.read_bytes() == data[:len(data) // 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fla"]
+
+
+def test_destination_under_a_file_is_refused(tmp_path, capsys):
+    fla_folder_from_reslin(tmp_path / "fla")
+    (tmp_path / "a_file").write_text("keep")
+    code, _, err = run(capsys, "--src", tmp_path / "fla", "--dst", tmp_path / "a_file" / "deeper" / "out",
+                       "--attn-type", "gdn")
+    assert code == 1 and f"{tmp_path / 'a_file'} is a file, not a folder" in err, err
+    assert (tmp_path / "a_file").read_text() == "keep"
+
+
+def test_missing_parents_of_the_destination_are_made_only_on_success(tmp_path, capsys):
+    fla_folder_from_reslin(tmp_path / "fla", state_edit=lambda s: s.pop("model.layers.0.attn.dt_bias"))
+    fla_folder_from_reslin(tmp_path / "good")
+    dst = tmp_path / "new" / "deeper" / "out"
+    code, _, err = run(capsys, "--src", tmp_path / "fla", "--dst", dst, "--attn-type", "gdn")
+    assert code == 1 and "lacks" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fla", "good"]  # no new/, no staging folder
+    code, _, err = run(capsys, "--src", tmp_path / "good", "--dst", dst, "--attn-type", "gdn")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fla", "good", "new"]
+    assert (dst / "model.safetensors").is_file() and [p.name for p in dst.parent.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("size", ["0KB", "0B", "0.5B", "-1MB"])
+def test_shard_size_must_be_positive(size, tmp_path, capsys):
+    fla_folder_from_reslin(tmp_path / "fla")
+    code, _, err = run(capsys, "--src", tmp_path / "fla", "--dst", tmp_path / "out", "--attn-type", "gdn",
+                       f"--max-shard-size={size}")
+    assert code == 1 and "--max-shard-size" in err and repr(size) in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_command_line_entry_point(tmp_path):
