@@ -265,3 +265,141 @@ def test_sequence_bounds_reads_a_tensor_once_until_it_changes():
     assert sequence_bounds(same_values) == first and sequence_bounds(same_values) is not first
     same_values[1] = 5
     assert sequence_bounds(same_values) == [0, 5, 7]
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "torch"])
+def test_torch_backends_compute_in_fp32_under_autocast(backend):
+    """Under bf16 autocast (Trainer(bf16=True)) the torch backends still compute in fp32, as the
+    Triton kernels do; autocast used to run their matmuls in bf16 (relative error ~7e-3)."""
+    x = make_inputs(1, 40, 2, 2, 16, 16, residual=True)
+    o_ref, S_ref, R_ref = run(x, "delta", backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, S, R = run(x, "delta", backend)
+    assert o.dtype == torch.float32
+    assert rel_err(o, o_ref) < 1e-6 and rel_err(S, S_ref) < 1e-6 and rel_err(R, R_ref) < 1e-6
+
+
+def test_states_and_cu_seqlens_on_another_device_are_refused():
+    """meta stands in for another device: the checks name the argument, where torch used to fail
+    deep inside a backend."""
+    x = make_inputs(2, 4, 2, 2, 8, 8, residual=True)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "gamma")]
+    elsewhere = lambda t: t.to("meta")  # noqa: E731
+    with pytest.raises(ValueError, match="initial_state's S0 is on meta, the inputs on cpu"):
+        reslin_attention(*args, initial_state=(elsewhere(x["S0"]), None))
+    with pytest.raises(ValueError, match="initial_state's R0 is on meta"):
+        reslin_attention(*args, initial_state=(x["S0"], elsewhere(x["R0"])))
+    packed = [a[:1] for a in args]
+    with pytest.raises(ValueError, match="cu_seqlens must be on the inputs' device cpu or the CPU, got meta"):
+        reslin_attention(*packed, cu_seqlens=torch.tensor([0, 2, 4], device="meta"))
+    step = {n: x[n][:, :1] for n in ("q", "k", "v", "g", "beta", "gamma")}
+    S, R = x["S0"].contiguous(), x["R0"].contiguous()
+    with pytest.raises(ValueError, match="state's S is on meta"):
+        reslin_decode_step(**step, state=(elsewhere(S), R))
+    with pytest.raises(ValueError, match="state's R is on meta"):
+        reslin_decode_step(**step, state=(S, elsewhere(R)))
+
+
+@pytest.mark.parametrize("scale,message", [
+    (0.0, "scale must be finite and > 0, got 0.0"),
+    (-1.0, "scale must be finite and > 0"),
+    (float("nan"), "scale must be finite and > 0, got nan"),
+    (float("inf"), "scale must be finite and > 0, got inf"),
+    (True, "scale must be a real number"),
+    ("0.5", "scale must be a real number"),
+    (torch.tensor([0.5, 0.5]), "scale must be a real number"),
+])
+def test_bad_scale_is_refused(scale, message):
+    x = make_inputs(2, 3, 1, 1, 8, 8, residual=False)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(ValueError, match=message):
+        reslin_attention(*args, scale=scale)
+    with pytest.raises(ValueError, match=message):
+        reslin_decode_step(*(a[:, :1] for a in args), (x["S0"].contiguous(), None), scale=scale)
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "torch"])
+def test_scale_may_be_any_real_number(backend):
+    x = make_inputs(1, 5, 1, 1, 8, 8, residual=True)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "gamma")]
+    o_ref, _ = reslin_attention(*args, scale=2.0, backend=backend)
+    for scale in (2, torch.tensor(2.0), torch.tensor([2])):
+        assert torch.equal(reslin_attention(*args, scale=scale, backend=backend)[0], o_ref)
+
+
+@pytest.mark.parametrize("log_decay", [-100.0, -1e4, -1e30, float("-inf")])
+@pytest.mark.parametrize("name,update,residual", RULES)
+def test_chunked_form_takes_any_log_decay_down_to_a_hard_reset(name, update, residual, log_decay):
+    """A (near) reset mid-chunk, g <= -100 down to -inf: the chunked form used to give NaN at
+    -inf (its decays exp(G_i - G_j) took -inf - -inf) and to lose accuracy below ~-1e4."""
+    x = make_inputs(1, 40, 1, 2, 16, 16, residual)
+    x["g"] = x["g"].clone()
+    x["g"][0, 10, 0] = log_decay
+    x["g"][0, 20:23, 1] = log_decay
+    o_ref, S_ref, R_ref = run(x, update, "recurrent")
+    o, S, R = run(x, update, "torch")
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
+    if residual:
+        assert rel_err(R, R_ref) < 1e-5
+
+
+def test_log_decay_floor_keeps_the_gradient_of_ordinary_decays():
+    """The chunked forms floor g at -100: the gradient of every g above the floor is unchanged,
+    and g below it, where the output no longer depends on it, gets none."""
+    x = make_inputs(1, 20, 1, 1, 8, 8, residual=True, requires_grad=True)
+    x["g"].data[0, 5, 0] = -500.0
+    weights = torch.randn(1, 20, 1, 8)
+    grads = {}
+    for backend in ("recurrent", "torch"):
+        o, S, R = run(x, "delta", backend)
+        grads[backend], = torch.autograd.grad((o * weights).sum() + S.sum() + R.sum(), x["g"])
+    assert grads["torch"][0, 5, 0] == 0
+    assert rel_err(grads["torch"], grads["recurrent"]) < 1e-5
+
+
+def test_reference_passes_an_empty_packed_sequence_through():
+    x = make_inputs(1, 8, 2, 2, 8, 8, residual=True)
+    x["S0"], x["R0"] = (torch.randn(3, 2, 8, 8) for _ in range(2))
+    cu_seqlens = torch.tensor([0, 3, 3, 8])
+    o, S, R = run(x, "delta", "recurrent", cu_seqlens=cu_seqlens)
+    assert torch.equal(S[1], x["S0"][1]) and torch.equal(R[1], x["R0"][1])
+    for got, ref in zip((o, S, R), run(x, "delta", "torch", cu_seqlens=cu_seqlens)):
+        assert rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+@pytest.mark.parametrize("name", ["g", "beta", "gamma", "gamma_write", "S0", "R0"])
+def test_gates_and_states_that_are_not_floating_point_are_refused(name, dtype):
+    x = make_inputs(1, 3, 1, 1, 8, 8, residual=True, kaczmarz=True)
+    x[name] = x[name].to(dtype)
+    label = {"S0": "initial_state's S0", "R0": "initial_state's R0"}.get(name, name)
+    with pytest.raises(ValueError, match=f"{label} must be a floating-point tensor, got {dtype}"):
+        run(x, "delta", "torch")
+
+
+def test_decode_state_that_cannot_be_advanced_in_place_is_named():
+    x = make_inputs(2, 1, 2, 2, 8, 8, residual=False)
+    step = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    with torch.inference_mode():
+        made_in_inference = torch.zeros(2, 2, 8, 8)
+    with pytest.raises(ValueError, match="state's S was made under torch.inference_mode()"):
+        reslin_decode_step(*step, (made_in_inference, None))
+    with torch.inference_mode():  # where torch allows it
+        reslin_decode_step(*step, (made_in_inference, None))
+    leaf = torch.zeros(2, 2, 8, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="state's S requires grad, but the step advances it in place"):
+        reslin_decode_step(*step, (leaf, None))
+    with torch.no_grad():
+        reslin_decode_step(*step, (leaf, None))
+
+
+def test_no_heads_and_clips_that_are_no_number_are_refused():
+    x = make_inputs(1, 4, 2, 2, 8, 8, residual=True)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "gamma")]
+    with pytest.raises(ValueError, match=r"at least one head, got H = 0 \(q, k\) and HV = 0"):
+        reslin_attention(*(a[:, :, :0] for a in args))
+    for clip in (None, torch.tensor([1.0, 2.0]), "1"):
+        with pytest.raises(ValueError, match=r"clip must be a real number, > 0 \(use float\('inf'\) for no clipping\)"):
+            reslin_attention(*args, clip=clip)
+    o_ref, _ = reslin_attention(*args, clip=0.5)
+    assert torch.equal(reslin_attention(*args, clip=torch.tensor(0.5))[0], o_ref)
