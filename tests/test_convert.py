@@ -366,6 +366,10 @@ def _set_nan(state):
     state["model.layers.1.attn.k_proj.weight"][0, 0] = float("nan")
 
 
+def _integer_dt_bias(state):
+    state["model.layers.0.attn.dt_bias"] = state["model.layers.0.attn.dt_bias"].long()
+
+
 BAD_FLA = {
     "unknown model_type": (dict(model_type="mamba2"), None, "model_type 'mamba2'"),
     "unsupported option": (dict(allow_neg_eigval=True), None, "allow_neg_eigval=True"),
@@ -376,7 +380,7 @@ BAD_FLA = {
                        "unexpected tensor 'model.layers.0.attn.D'"),
     "shape": (dict(head_dim=8), None, "has shape"),
     "nan": (None, _set_nan, "'model.layers.1.attn.k_proj.weight' in model.safetensors holds NaN or inf"),
-    "integer dtype": (None, lambda s: s.update({"model.layers.0.attn.dt_bias": s["model.layers.0.attn.dt_bias"].long()}),
+    "integer dtype": (None, _integer_dt_bias,
                       "'model.layers.0.attn.dt_bias' in model.safetensors has dtype torch.int64"),
     "hybrid settings differ": (dict(attn=[{"layers": [0], "num_heads": 2}, {"layers": [1], "num_heads": 4}]), None,
                                "differ"),
