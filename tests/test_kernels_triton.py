@@ -557,3 +557,58 @@ def test_additive_states_split_into_segments_match_reference(name, update, resid
     assert split == [segments] * (4 if residual else 2)
     for label, a, b in zip(labels, got, ref):
         assert rel_err(a, b) < 1e-5, f"{label}: {rel_err(a, b):.2e}"
+
+
+def test_non_contiguous_cu_seqlens_is_read_by_its_values():
+    """An int64 cu_seqlens with strides: the kernels used to read its raw memory, here
+    [0, 99, 7, 99, 20] in place of [0, 7, 20]."""
+    x = on_device(make_inputs(1, 20, 1, 1, 16, 16, residual=True))
+    x["S0"], x["R0"] = (torch.randn(2, 1, 16, 16, device=DEVICE) for _ in range(2))
+    cu_seqlens = torch.tensor([0, 99, 7, 99, 20], device=DEVICE)[::2]
+    assert not cu_seqlens.is_contiguous()
+    assert_forward_matches_reference(x, "delta", True, cu_seqlens)
+    assert_gradients_match_reference(x, "delta", True, cu_seqlens)
+
+
+@pytest.mark.parametrize("T", [1, 20], ids=["decode", "chunked"])
+def test_scale_may_be_an_int_or_a_tensor_of_one_number(T):
+    """The kernels take a float: an int or a tensor scale used to reach them as it came."""
+    x = on_device(make_inputs(1, T, 1, 1, 16, 16, residual=True))
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "gamma")]
+    o_ref, _ = reslin_attention(*args, scale=2.0, backend="recurrent")
+    for scale in (2, torch.tensor(2.0)):
+        assert rel_err(reslin_attention(*args, scale=scale, backend="triton")[0], o_ref) < 1e-5
+
+
+@pytest.mark.parametrize("log_decay", [-1e30, float("-inf")])
+@pytest.mark.parametrize("name,update,residual,kaczmarz", STEPPED_RULES[:4])
+def test_chunked_kernels_take_any_log_decay_down_to_a_hard_reset(name, update, residual, kaczmarz, log_decay):
+    """g = -inf (a hard reset) mid-chunk gave NaN in the chunked kernels (exp(G_i - G_j) of
+    -inf - -inf); kernels_reslin floors g at -100 before them. Outputs, final states and
+    gradients against the reference (the gradient of a floored g is 0, as the reference's):
+    relative error <= 1e-5, but 5e-5 for the final states, whose decays exp(G_C - G_j) after
+    the reset take G near -100, where fp32 resolves ~8e-6 (2e-5 here)."""
+    x = on_device(make_inputs(1, 70, 1, 2, 16, 16, residual, kaczmarz=kaczmarz))
+    x["g"] = x["g"].clone()
+    x["g"][0, 10, 0] = log_decay
+    x["g"][0, 66, 1] = log_decay
+    assert_forward_matches_reference(x, update, residual, None, states_bound=5e-5)
+    labels, ref = outputs_and_gradients(x, update, residual, None, "recurrent")
+    _, got = outputs_and_gradients(x, update, residual, None, "triton")
+    for label, a, b in zip(labels, got, ref):
+        assert rel_err(a, b) < (5e-5 if label in ("S", "R") else 1e-5), f"{label}: {rel_err(a, b):.2e}"
+
+
+@pytest.mark.skipif(not kernels_reslin.TRITON_INTERPRETED, reason="Triton's interpreter only")
+@pytest.mark.parametrize("T", [1, 20], ids=["decode", "chunked"])
+def test_interpreter_refuses_inputs_other_than_fp32(T):
+    """Triton's interpreter computes bf16 and fp16 wrongly without an error: backend='triton'
+    refuses them there, and 'auto' takes the torch backend."""
+    x = make_inputs(1, T, 1, 1, 16, 16, residual=True)
+    args = {n: x[n] for n in ("q", "k", "v", "g", "beta", "gamma")}
+    for low in ({n: t.bfloat16() for n, t in args.items()}, dict(args, g=args["g"].half())):
+        with pytest.raises(ValueError, match="interpreter .* computes only fp32 right, got inputs in torch"):
+            reslin_attention(**low, backend="triton")
+        o, _ = reslin_attention(**low, backend="auto")
+        o_ref, _ = reslin_attention(**low, backend="torch")
+        assert torch.equal(o, o_ref)
