@@ -162,15 +162,16 @@ def reslin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Args:
         q, k: [B, T, H, Dk]. v: [B, T, HV, Dv], HV a multiple of H; each q/k head serves
             HV / H consecutive value heads.
-        g: [B, T, HV] log decay (<= 0). beta: [B, T, HV] base write strength.
+        g: [B, T, HV] log decay (<= 0; -inf resets the state). beta: [B, T, HV] base write strength.
         gamma: [B, T, HV] correction gate of the residual state, or None for no residual state.
         The rest are keyword-only.
         update: "delta" (GDN, KLA, RDN) or "additive" (sGLA, RLA).
-        clip: the residual clip threshold c. scale: defaults to Dk ** -0.5.
+        clip: the residual clip threshold c > 0 (inf: none). scale: > 0, defaults to Dk ** -0.5.
         initial_state: None or (S0, R0), each [N, HV, Dk, Dv] fp32 (N = B, or the number of
             sequences with cu_seqlens); R0 is None without gamma, and may be None (zeros) with it.
         output_final_state: also return the final (S, R).
-        cu_seqlens: packed variable-length sequences in one row (B == 1), like FLA.
+        cu_seqlens: packed variable-length sequences in one row (B == 1), like FLA: an integer
+            tensor on the inputs' device or the CPU.
         backend: "auto", "torch", "triton" or "recurrent".
         gamma_write: [B, T, HV] write strength of the residual state where it differs from its
             read gate gamma; None means gamma. An extension of DESIGN.md section 3 for RKLA,
