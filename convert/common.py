@@ -89,6 +89,9 @@ def index_shards(path):
     weight_map = read_json(path).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ConversionError(f"{path} has no weight_map of tensor name -> shard file name")
+    outside = sorted({shard for shard in weight_map.values() if Path(shard).name != shard})
+    if outside:  # shards sit beside their index: a path would read files outside the source
+        raise ConversionError(f"{path} names shards that are not file names in its folder: {outside}")
     return sorted(set(weight_map.values()))
 
 

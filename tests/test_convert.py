@@ -446,6 +446,19 @@ def test_truncated_safetensors_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fla"]
 
 
+def test_an_index_naming_shards_outside_its_folder_is_refused(tmp_path, capsys):
+    fla_folder_from_reslin(tmp_path / "fla")
+    weights = tmp_path / "fla" / "model.safetensors"
+    outside = tmp_path / "outside.safetensors"
+    weights.rename(outside)
+    names = list(load_file(outside))
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, "../outside.safetensors")}
+    (tmp_path / "fla" / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, _, err = run(capsys, "--src", tmp_path / "fla", "--dst", tmp_path / "out", "--attn-type", "gdn")
+    assert code == 1 and "not file names in its folder: ['../outside.safetensors']" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_destination_under_a_file_is_refused(tmp_path, capsys):
     fla_folder_from_reslin(tmp_path / "fla")
     (tmp_path / "a_file").write_text("keep")
