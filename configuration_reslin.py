@@ -255,9 +255,10 @@ class ResLinConfig(PretrainedConfig):
                 super().__setattr__(setting, preset_value)
         # A stack of one layer type follows a new layer count (from_pretrained(path,
         # num_hidden_layers=2), as transformers' models allow); a mixed stack's types must be given anew.
-        layer_types = getattr(self, "layer_types", None)
-        if name == "num_hidden_layers" and isinstance(value, int) and layer_types and len(set(layer_types)) == 1:
-            super().__setattr__("layer_types", layer_types[:1] * value)
+        if name == "num_hidden_layers" and isinstance(value, int):
+            layer_types = getattr(self, "layer_types", None)
+            if layer_types and len(set(layer_types)) == 1:
+                super().__setattr__("layer_types", layer_types[:1] * value)
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):

@@ -651,13 +651,13 @@ class ResLinModel(ResLinPreTrainedModel):
         cu_seqlens = packed_sequences(position_ids, kwargs.get("cu_seq_lens_q"), B, T, device,
                                       detect=cache is None and attention_mask is None)
         if cu_seqlens is not None:
-            if position_ids is None:  # cu_seq_lens_q alone: the positions restart at each sequence's start
-                tokens = torch.arange(T, device=device)
-                position_ids = (tokens - cu_seqlens[torch.searchsorted(cu_seqlens, tokens, right=True) - 1])[None]
             if cache is not None:
                 raise ValueError("packed sequences (position_ids restarting at 0, or cu_seq_lens_q) cannot use a cache")
             if attention_mask is not None:
                 raise ValueError("packed sequences take no padding: pass an all-ones attention_mask or none")
+            if position_ids is None:  # cu_seq_lens_q alone: the positions restart at each sequence's start
+                tokens = torch.arange(T, device=device)
+                position_ids = (tokens - cu_seqlens[torch.searchsorted(cu_seqlens, tokens, right=True) - 1])[None]
             use_cache = False  # their final states are not a batch a cache could continue
         if cache is None and use_cache:
             cache = ResLinCache(self.config, B)
