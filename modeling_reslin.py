@@ -29,6 +29,7 @@ from transformers.activations import ACT2FN
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
 # Every module of the model is imported here, those unused by one name (F401): save_pretrained and
@@ -922,5 +923,8 @@ class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
 # save_pretrained copies this file and its `from .x import` siblings only for registered classes.
 ResLinModel.register_for_auto_class("AutoModel")
 ResLinForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+# The Trainer's label smoothing shifts the labels only for the class names in this table (no remote-code
+# class is there): without the entry each position would be trained to predict its own token.
+MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(ResLinConfig.model_type, ResLinForCausalLM.__name__)
 
 __all__ = ["ResLinPreTrainedModel", "ResLinModel", "ResLinForCausalLM"]

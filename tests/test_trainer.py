@@ -14,7 +14,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, DataCollatorWithFlattening, Trainer,
                           TrainingArguments)
 
-from conftest import REPO_ROOT, TINY
+from conftest import REPO_ROOT, TINY, build_model
 from test_train_distributed import free_port
 
 
@@ -41,6 +41,24 @@ def test_trainer_trains_packed_rows_with_checkpointing_and_saves_what_loads(repo
     ids = torch.randint(3, 100, (2, 16), generator=generator)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+
+
+def test_trainer_label_smoothing_shifts_the_labels(tmp_path):
+    """With label_smoothing_factor the Trainer computes the loss itself, shifting the labels only for
+    classes it knows as causal LMs (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES): unshifted, every position would
+    learn to predict its own token. A smoothing of 1e-6 barely moves the model's own (shifted) loss."""
+    rows = [{"input_ids": torch.randint(3, 100, (12,), generator=torch.Generator().manual_seed(i)).tolist()}
+            for i in range(4)]
+    first_losses = []
+    for smoothing in (0.0, 1e-6):
+        args = TrainingArguments(output_dir=str(tmp_path / f"run{smoothing}"), max_steps=1, per_device_train_batch_size=4,
+                                 learning_rate=0.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                                 label_smoothing_factor=smoothing)
+        trainer = Trainer(model=build_model("rdn"), args=args, train_dataset=rows,
+                          data_collator=DataCollatorWithFlattening())
+        trainer.train()
+        first_losses.append(next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry))
+    assert first_losses[1] == pytest.approx(first_losses[0], abs=1e-3)
 
 
 def test_trainer_under_accelerate_ddp_takes_one_process_steps(tmp_path):
