@@ -29,6 +29,11 @@ def _next_power_of_2(n):
     return 1 << (n - 1).bit_length()
 
 
+# The releases whose binaries `_binary_launch` knows how to call. Both pass a kernel every
+# parameter, constexprs included (earlier releases passed the others alone).
+BYPASSED_RELEASES = ("3.6.", "3.7.")
+
+
 class _Launcher:
     """A @triton.jit kernel launched as Triton launches it, `kernel[grid](*args, **kwargs)`, but on
     CUDA a specialisation's later launches go straight to the C launcher of the binary its first
@@ -42,16 +47,16 @@ class _Launcher:
     The key here is finer than Triton's: every integer, bool and constexpr by value, pointers by
     dtype and alignment, floats by type (Triton never specialises on their value), the launch
     options and the device. A key's first launch is Triton's own (compiling if needed). Triton's
-    CPU interpreter (the tests) is never bypassed, nor is Triton other than 3.6: how a binary
-    takes its arguments is Triton's internal (3.6 passes every parameter, constexprs included,
-    where earlier versions passed the others alone)."""
+    CPU interpreter (the tests) is never bypassed, nor is a Triton release outside
+    `BYPASSED_RELEASES`: how a binary takes its arguments is Triton's internal (see
+    `_binary_launch`)."""
 
     MAX_KEYS = 1024  # forgotten all at once past this (shapes are keys): no growth without bound
 
     def __init__(self, kernel):
         self.kernel = kernel
         self.__name__ = kernel.__name__  # the tuning tables name kernels (`register_cap`)
-        compiled = isinstance(kernel, triton.runtime.JITFunction) and triton.__version__.startswith("3.6.")
+        compiled = isinstance(kernel, triton.runtime.JITFunction) and triton.__version__.startswith(BYPASSED_RELEASES)
         self.params = kernel.arg_names if compiled else ()
         self.by_value = tuple(param.is_constexpr for param in kernel.params) if compiled else ()
         self.launches = {} if compiled else None
@@ -79,7 +84,7 @@ class _Launcher:
 
 def _binary_launch(binary):
     """`launch(grid, device, every parameter's value)` of a compiled kernel: its C launcher called
-    as Triton 3.6's runner calls it (`CompiledKernel.__getitem__`, `CudaLauncher.__call__`), less
+    as Triton's runner calls it (`CompiledKernel.__getitem__`, `CudaLauncher.__call__`), less
     what costs host time there on every launch and serves nothing here: a closure, the launch
     metadata built for the launch hooks (a `LazyDict` a launch, and the two empty hook chains
     called from C), the scratch allocations of kernels that need none. A kernel that needs
@@ -92,12 +97,27 @@ def _binary_launch(binary):
     cooperative, pdl = runner.launch_cooperative_grid, runner.launch_pdl
     current_stream = triton.runtime.driver.active.get_current_stream
     hooks = triton.knobs.runtime
+    hooked = lambda: hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls  # noqa: E731
 
-    def launch(grid, device, args):
-        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
-            return binary[grid](*args)
-        c_launch(*grid, current_stream(device), function, cooperative, pdl, None, None, metadata, None, None, None,
-                 *args)
+    if triton.__version__.startswith("3.6."):
+        # A launcher compiled for the kernel: (grid, stream, function, cooperative, pdl, global and
+        # profile scratch, packed metadata, launch metadata, enter and exit hooks, *parameters).
+        def launch(grid, device, args):
+            if hooked():
+                return binary[grid](*args)
+            c_launch(*grid, current_stream(device), function, cooperative, pdl, None, None, metadata, None, None,
+                     None, *args)
+    else:
+        # One launcher for every kernel: (grid, stream, function, cooperative, pdl, packed metadata,
+        # launch metadata, enter and exit hooks, global and profile scratch, the parameters'
+        # annotations, the kernel's signature, the parameters as a tuple).
+        annotations, signature = runner.arg_annotations, runner.kernel_signature
+
+        def launch(grid, device, args):
+            if hooked():
+                return binary[grid](*args)
+            c_launch(*grid, current_stream(device), function, cooperative, pdl, metadata, None, None, None, None,
+                     None, annotations, signature, args)
     return launch
 
 

@@ -2,7 +2,9 @@
 (Triton's own) launch returned, and anything a compiled kernel depends on makes a new key.
 
 On a CPU there is no binary to launch: Triton's side is a recorder here, and the first argument
-a CPU tensor that says it is on CUDA. The GPU tests run every kernel through the real thing."""
+a CPU tensor that says it is on CUDA. What the bypass passes a binary's C launcher is checked
+against what the installed release's own runner (its CudaLauncher, with the C launcher
+recording) passes for the same launch. The GPU tests run every kernel through the real thing."""
 
 import types
 
@@ -15,6 +17,8 @@ import kernels_reslin_triton_launch
 pytestmark = pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")
 triton = pytest.importorskip("triton")
 tl = triton.language
+CudaLauncher = pytest.importorskip("triton.backends.nvidia.driver").CudaLauncher
+bypassed = triton.__version__.startswith(kernels_reslin_triton_launch.BYPASSED_RELEASES)
 
 
 def _kernel(x_ptr, n, scale, BLOCK: tl.constexpr, FACTOR: tl.constexpr):
@@ -41,8 +45,27 @@ class _Recorder:
         return launch
 
 
+def _runner(c_launch, scratch=0):
+    """The installed release's CudaLauncher (a binary's `run`) around the C launcher `c_launch`,
+    with the attributes its constructor would read from a compiled kernel."""
+    runner = object.__new__(CudaLauncher)
+    vars(runner).update(launch=c_launch, num_ctas=1, global_scratch_size=scratch, global_scratch_align=1,
+                        profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False,
+                        launch_pdl=False, arg_annotations="annotations", kernel_signature=b"signature")
+    return runner
+
+
+def _tritons_c_arguments(grid, stream, args):
+    """What the release's own runner passes the C launcher for a launch of `args` (as
+    CompiledKernel.__getitem__ calls it, no profiler hooked)."""
+    passed = []
+    _runner(lambda *c_args: passed.append(c_args))(*grid, stream, "function", _Binary.packed_metadata, None, None,
+                                                    None, *args)
+    return passed[0]
+
+
 class _Binary(triton.compiler.CompiledKernel):
-    """A binary whose C launcher records its launches, with Triton 3.6's runner (`binary[grid]`)
+    """A binary whose C launcher records its launches, with Triton's runner (`binary[grid]`)
     recording its own."""
     function, packed_metadata = "function", (4, 1, 0)
 
@@ -52,12 +75,10 @@ class _Binary(triton.compiler.CompiledKernel):
 
     @property
     def run(self):
-        return types.SimpleNamespace(launch=self._c_launch, global_scratch_size=self.scratch, profile_scratch_size=0,
-                                     launch_cooperative_grid=False, launch_pdl=False)
+        return _runner(self._c_launch, self.scratch)
 
     def _c_launch(self, *args):
-        self.recorder.launches.append(("binary", args[:3], args[13:]))
-        assert args[3:13] == (7, "function", False, False, None, None, (4, 1, 0), None, None, None)
+        self.recorder.launches.append(("binary", args))
 
     def __getitem__(self, grid):
         return lambda *args: self.recorder.launches.append(("runner", grid, args))
@@ -65,8 +86,9 @@ class _Binary(triton.compiler.CompiledKernel):
 
 @pytest.fixture
 def launcher(monkeypatch):
+    if not bypassed:
+        pytest.skip(f"triton {triton.__version__} is not bypassed (BYPASSED_RELEASES)")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(get_current_stream=lambda device: 7))
     launcher = kernels_reslin_triton_launch._Launcher(triton.runtime.JITFunction(_kernel))
     assert launcher.launches == {} and launcher.by_value == (False, False, False, True, True)
@@ -83,9 +105,8 @@ def test_a_specialisation_launches_its_binary_after_the_first_launch(launcher):
     launcher[(4,)](x, 64, 0.5, BLOCK=16, FACTOR=2.0, num_warps=4)
     launcher[(8, 2)](x, 64, 0.25, BLOCK=16, FACTOR=2.0, num_warps=4)  # a float's value is no key
     assert _paths(launcher) == ["triton", "binary"]
-    path, grid, args = launcher.kernel.launches[1]
-    assert grid == (8, 2, 1)
-    assert args[0] is x and args[1:] == (64, 0.25, 16, 2.0)  # every parameter in order, no options
+    # Every parameter in order, no options, laid out as the release's own runner lays them out.
+    assert launcher.kernel.launches[1][1] == _tritons_c_arguments((8, 2, 1), 7, (x, 64, 0.25, 16, 2.0))
 
 
 def test_a_profilers_launch_hooks_take_tritons_runner(launcher, monkeypatch):
