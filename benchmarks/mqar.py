@@ -22,12 +22,13 @@ mqar_data.py, train_mqar.py and run_mqar_experiment.sh, followed from a descript
   range) from seeds 45, 46 and 47. Generated on the CPU, so the data are the same on every
   machine; --seed sets only the initial weights and the batch order.
 - training: batch 32, AdamW (betas 0.9 / 0.95, weight decay 0.1, none on A_log and dt_bias), lr
-  1e-3 constant (no warm-up, no decay), gradient clipping 1.0, bf16 autocast on CUDA; at most
-  10,000 steps; the validation accuracy (the metric above, on the validation set) every 200 steps
-  and at the last step; training stops after 10 validations in a row without a strict gain, and
+  1e-3 constant (no warm-up, no decay), gradient clipping 1.0, fp32 weights under bf16 autocast on
+  CUDA (the authors' bf16-mixed); at most 10,000 steps; the validation accuracy (the metric above,
+  on the validation set) every 200 steps and at the last step; training stops after 10 validations in a row without a strict gain, and
   the best checkpoint (the earliest with the highest validation accuracy) is the one tested.
 - model: 2 layers, width 256, 4 heads, head sizes 48 / 96 (the KLA code's expand_k 0.75 and
-  expand_v 1.5), SwiGLU 1024, RMSNorm eps 1e-5, input and output embeddings tied.
+  expand_v 1.5), SwiGLU 1024, RMSNorm eps 1e-5, input and output embeddings tied, no padding token
+  (token 0 is a key like any other: the shipped config's pad_token_id 0 would freeze its embedding).
 
 reslin-gap: the variant this script ran before the authors' protocol was known (Zoology's MQAR,
 Arora et al. 2023, arXiv 2312.04927): keys drawn without repetition from [1, V/2) and values
@@ -36,7 +37,8 @@ gaps drawn without repetition with probability ~ gap^(0.01 - 1) (most queries so
 so a much easier extrapolation: at 8x the median query sits ~124 tokens after its pair, against
 ~927 under kla-authors); training set and one evaluation set per length (2,000 sequences each)
 all generated on the device from --seed; warm-up over 2% of the steps and cosine decay to 0 over a
-fixed --steps (default 10K), the last model evaluated; untied embeddings. The same model otherwise.
+fixed --steps (default 10K), the last model evaluated. The same model (tied embeddings: the
+earlier comparison's runs took them, and bf16 weights, from the shipped config.json).
 
 Both protocols: --lr takes several values (a sweep); each attn type reports the lr whose run has
 the best validation accuracy (kla-authors) or the best 1x accuracy (reslin-gap, which has no
@@ -96,11 +98,11 @@ EVAL_TOKENS_PER_BATCH = 65536  # evaluation batches hold about this many tokens 
 
 # The KLA code's "*_MQAR" models (lit_gpt/config.py): n_embd 256, n_head 4, expand_k 0.75, expand_v 1.5.
 PAPER_MODEL = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=2, num_heads=4, head_dim=48, expand_v=2.0,
-                   intermediate_size=1024, norm_eps=1e-5)
+                   intermediate_size=1024, norm_eps=1e-5, tie_word_embeddings=True)
 PAPER_TASK = dict(train_length=256, kv_pairs=32, train_examples=20000, eval_examples=2000, batch_size=32, steps=10000)
 PAPER_EARLY_STOPPING = dict(eval_interval=200, patience=10)  # kla-authors only
 SMOKE_MODEL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16, expand_v=1.0,
-                   intermediate_size=64, norm_eps=1e-5)
+                   intermediate_size=64, norm_eps=1e-5, tie_word_embeddings=True)
 SMOKE_TASK = dict(train_length=32, kv_pairs=4, train_examples=20000, eval_examples=32, batch_size=16, steps=20)
 SMOKE_EARLY_STOPPING = dict(eval_interval=4, patience=3)
 
@@ -188,13 +190,15 @@ def make_kla_authors_sets(task, vocab_size, device):
 
 def build_model(attn_type, model_shape, kernel_backend, seed, device):
     """A fresh ResLinForCausalLM loaded as users load it: the repository's config and code through
-    the Auto classes with trust_remote_code."""
+    the Auto classes with trust_remote_code. Two of the shipped model's settings are not the task's:
+    its dtype (bf16: from_config would build bf16 weights, and AdamW would then update them in bf16)
+    and its padding token (id 0, whose embedding nn.Embedding keeps at zero without a gradient)."""
     config = AutoConfig.from_pretrained(
         REPO, trust_remote_code=True, attn_type=attn_type, num_v_heads=model_shape["num_heads"],
         layer_types=["linear_attention"] * model_shape["num_hidden_layers"], kernel_backend=kernel_backend,
-        **model_shape)
+        pad_token_id=None, **model_shape)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, trust_remote_code=True).to(device)
+    return AutoModelForCausalLM.from_config(config, trust_remote_code=True, dtype=torch.float32).to(device)
 
 
 def answer_logits(model, inputs, query_positions):
@@ -399,7 +403,6 @@ def main(argv=None):
     model_shape = SMOKE_MODEL if args.smoke else PAPER_MODEL
     task = dict(SMOKE_TASK if args.smoke else PAPER_TASK)
     if args.protocol == "kla-authors":
-        model_shape = dict(model_shape, tie_word_embeddings=True)
         task.update(SMOKE_EARLY_STOPPING if args.smoke else PAPER_EARLY_STOPPING)
     for name in ("steps", "train_length", "kv_pairs", "eval_examples", "eval_interval", "patience"):
         if getattr(args, name) is not None:

@@ -83,6 +83,22 @@ def test_kla_authors_query_positions_follow_the_power_law():
     assert (empirical - (support + 1 - low).double() / (high - low)).abs().max() > bound
 
 
+def test_kla_authors_pairs_are_asked_in_a_random_order():
+    """The j-th query placed (the one a later query may overwrite) asks a uniformly random pair:
+    each pair is first with probability 1 / P. A fixed order (pair 0 first) would make the later
+    pairs win every collision. Values of 8192 tokens are told apart by value; a row repeating a
+    value, or whose first query was overwritten, is skipped. The counts' standard deviation is
+    sqrt(n p (1 - p)): bound 4 of them."""
+    pairs = 6
+    inputs, _, answers = make_kla(num_examples=3000, seq_len=2048, kv_pairs=pairs, vocab_size=8192)
+    values = inputs[:, 1:2 * pairs:2]
+    usable = (answers[:, 0] != mqar.IGNORE_INDEX) & (values.sort(-1).values.diff(dim=-1) != 0).all(-1)
+    first_pair = (values[usable] == answers[usable, :1]).int().argmax(-1)
+    counts, n = first_pair.bincount(minlength=pairs), usable.sum().item()
+    assert n > 2900
+    assert ((counts - n / pairs).abs() < 4 * math.sqrt(n * (1 / pairs) * (1 - 1 / pairs))).all(), counts
+
+
 def test_kla_authors_answers_sit_at_the_query_positions_and_a_later_query_overwrites_an_earlier():
     """Each scored answer's position holds its key, after the pairs and before length - 2, and
     (key, answer) is one of its sequence's pairs; an answer is not scored exactly when a later
@@ -249,13 +265,10 @@ def test_accuracy_counts_only_the_scored_answers_of_kla_authors():
     assert mqar.accuracy(first_row, inputs, query_positions, answers) == (answers[0] >= 0).sum().item() / scored
 
 
-SMOKE_TIED = dict(mqar.SMOKE_MODEL, tie_word_embeddings=True)
-
-
 def scripted_training(monkeypatch, scores, steps, eval_interval, patience):
     """mqar.train on the smoke model with the validation accuracies `scores`, in turn; returns
     its result, the model, and the output layer's weights at each validation."""
-    model = mqar.build_model("gdn", SMOKE_TIED, "torch", seed=0, device=CPU)
+    model = mqar.build_model("gdn", mqar.SMOKE_MODEL, "torch", seed=0, device=CPU)
     generator = torch.Generator().manual_seed(0)
     train_set = mqar.make_kla_authors_mqar(64, 32, 4, VOCAB, generator)
     validation_set = mqar.make_kla_authors_mqar(8, 32, 4, VOCAB, generator)
@@ -292,9 +305,16 @@ def test_without_patience_running_out_the_last_step_is_validated_too(monkeypatch
     assert torch.equal(model.lm_head.weight, weights[2])
 
 
-def test_kla_authors_model_ties_its_embeddings():
-    model = mqar.build_model("kla", SMOKE_TIED, "torch", seed=0, device=CPU)
-    assert model.lm_head.weight is model.get_input_embeddings().weight
+@pytest.mark.parametrize("model_shape", [mqar.SMOKE_MODEL, mqar.PAPER_MODEL], ids=["smoke", "paper"])
+def test_the_model_ties_its_embeddings_and_keeps_fp32_weights_and_no_padding_token(model_shape):
+    """The shipped config.json, which build_model starts from, says bf16 and pad_token_id 0: the
+    task's model takes neither (AdamW would update bf16 weights; token 0, a key, would keep a zero
+    embedding without a gradient)."""
+    model = mqar.build_model("kla", model_shape, "torch", seed=0, device=CPU)
+    embeddings = model.get_input_embeddings()
+    assert model.lm_head.weight is embeddings.weight
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}
+    assert embeddings.padding_idx is None and embeddings.weight[0].abs().max() > 0
 
 
 def test_smoke_run_of_kla_authors_records_the_protocol_and_the_early_stop(tmp_path):
@@ -323,7 +343,7 @@ def test_smoke_run_of_reslin_gap_trains_every_type_and_lr_and_writes_its_json(tm
     mqar.main(["--smoke", "--protocol", "reslin-gap", "--attn-types", "gdn", "rkla", "--lr", "1e-3", "3e-3",
                "--steps", "4", "--kernel-backend", "torch", "--out", str(out)])
     result = json.loads(out.read_text())
-    assert result["protocol"] == "reslin-gap" and "tie_word_embeddings" not in result["model"]
+    assert result["protocol"] == "reslin-gap" and result["model"]["tie_word_embeddings"] is True
     runs = result["runs"]
     assert [(r["attn_type"], r["lr"]) for r in runs] == [("gdn", 1e-3), ("gdn", 3e-3), ("rkla", 1e-3), ("rkla", 3e-3)]
     assert result["eval_lengths"] == {"1x": 32, "2x": 64, "4x": 128, "8x": 256}
@@ -362,8 +382,7 @@ def test_paper_model_step_through_triton_matches_the_torch_backend_on_cuda(attn_
     eval_batch = mqar.make_kla_authors_mqar(4, 2048, 32, 8192, generator)
     results = {}
     for backend in ("torch", "auto"):
-        model = mqar.build_model(attn_type, dict(mqar.PAPER_MODEL, tie_word_embeddings=True), backend, seed=0,
-                                 device=device)
+        model = mqar.build_model(attn_type, mqar.PAPER_MODEL, backend, seed=0, device=device)
         with mqar.autocast(device):
             logits = mqar.answer_logits(model, *train_batch[:2])
         loss = F.cross_entropy(logits.float().flatten(0, 1), train_batch[2].flatten())
