@@ -68,6 +68,31 @@ def test_merge_and_unload_then_save_and_reload(tiny_model, load_remote, tmp_path
         assert torch.equal(reloaded(input_ids=ids).logits, merged)
 
 
+def test_short_convolutions_train_as_modules_to_save_and_reload(tiny_model, tmp_path):
+    """The depthwise short convolutions take no LoRA (PEFT refuses a rank not divisible by their
+    groups); as modules_to_save they train, and the adapter folder carries their trained copies."""
+    with pytest.raises(ValueError, match="groups"):
+        peft.get_peft_model(tiny_model("rdn"), peft.LoraConfig(r=4, target_modules=["q_conv1d"]))
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["q_conv1d", "k_conv1d", "v_conv1d"])
+    model = peft.get_peft_model(tiny_model("rdn"), config).train()
+    ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    convolutions = [p for name, p in model.named_parameters() if "conv1d.modules_to_save" in name]
+    assert len(convolutions) == 6 and all(p.requires_grad and p.grad.abs().sum() > 0 for p in convolutions)
+    with torch.no_grad():
+        for p in convolutions:
+            p.add_(0.1)
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        assert not torch.equal(expected, tiny_model("rdn")(input_ids=ids).logits)
+    model.save_pretrained(tmp_path / "adapter")
+    fresh = peft.PeftModel.from_pretrained(tiny_model("rdn"), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, expected)
+        assert torch.equal(model.merge_and_unload()(input_ids=ids).logits, expected)
+
+
 @pytest.mark.skipif(kernels_reslin.triton_chunk_attention is None, reason="needs the triton package")
 def test_lora_with_checkpointing_through_the_triton_kernels(tiny_model):
     """LoRA with activation checkpointing through the Triton forward and backward (the interpreter

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, DataCollatorWithFlattening, Trainer,
-                          TrainingArguments)
+from transformers import (AutoConfig, AutoModelForCausalLM, DataCollatorForLanguageModeling,
+                          DataCollatorWithFlattening, PreTrainedTokenizerFast, Trainer, TrainingArguments)
 
 from conftest import REPO_ROOT, TINY, build_model
 from test_train_distributed import free_port
@@ -41,6 +41,33 @@ def test_trainer_trains_packed_rows_with_checkpointing_and_saves_what_loads(repo
     ids = torch.randint(3, 100, (2, 16), generator=generator)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+
+
+@pytest.mark.parametrize("collation", ["padded", "packed"])
+def test_gradient_accumulation_takes_the_step_of_one_batch(collation, tmp_path):
+    """Rows of unequal length, 4 at once or 2 x 2 accumulated: the Trainer passes num_items_in_batch,
+    the tokens of all accumulated batches, and the model divides its summed loss by it, so one SGD
+    step moves every weight alike (fp32 rounding only)."""
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(3, 100, (n,), generator=generator).tolist()} for n in (12, 3, 20, 9)]
+    # Right padding: left padding adds a label (a row's first token, predicted from padding) to each padded
+    # row, which makes the two runs' losses differ for any model.
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(REPO_ROOT, padding_side="right")
+    collator = (DataCollatorForLanguageModeling(tokenizer, mlm=False) if collation == "padded"
+                else DataCollatorWithFlattening())
+    weights = []
+    for batch_size, accumulation in ((4, 1), (2, 2)):
+        model = build_model("rdn")
+        args = TrainingArguments(output_dir=str(tmp_path / str(accumulation)), max_steps=1, optim="sgd",
+                                 learning_rate=1.0, max_grad_norm=0, per_device_train_batch_size=batch_size,
+                                 gradient_accumulation_steps=accumulation, save_strategy="no", report_to=[],
+                                 use_cpu=True, seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator)
+        trainer._get_train_sampler = lambda *args, **kwargs: torch.utils.data.SequentialSampler(rows)
+        trainer.train()
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert not torch.equal(weights[0], torch.cat([p.flatten() for p in build_model("rdn").parameters()]))
+    torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=1e-6)
 
 
 def test_trainer_label_smoothing_shifts_the_labels(tmp_path):
