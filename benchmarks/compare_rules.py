@@ -56,11 +56,12 @@ call starts runs only while they can still finish (--start-within). On 2 x H200:
 8 (runs go to the visible GPU running the fewest) with MQAR's step compiled (--mqar-args=--compile:
 9.2 ms a step alone against 19.6 ms eager) finished the other 24 runs, 12 LM and 12 MQAR, in two
 jobs of 346 s and 164 s: the job `bash tools/gpu_run.sh compare` is --jobs 4 per GPU,
---start-within 3.5 in 570 s. Those MQAR runs were reslin-gap's fixed 10K steps; a kla-authors run
-trains the same step for at most 10K steps (fewer when it stops early) and adds 50 validations
-of 0.5M tokens (forward only, ~0.1 s each), so those times bound it. Its steps run are in the
-table's notes. A GPU call is at most 10 minutes and starts a bare machine, so repeat one
-command until the table is whole, bringing back only the small JSON files. The default --results,
+--start-within 3.5 in 570 s. Those MQAR runs were reslin-gap's fixed 10K steps of bf16 weights; a
+kla-authors run trains the same model, in fp32 weights under bf16 autocast (casts: a step not yet
+timed), for at most 10K steps (fewer when it stops early) and adds 50 validations of 0.5M tokens
+(forward only, ~0.1 s each). Its steps run are in the table's notes. A GPU call is at most 10
+minutes and starts a bare machine, so repeat one command until the table is whole, bringing back
+only the small JSON files. The default --results,
 benchmarks/results/compare/, is in the repository (its .gitignore keeps the JSON files only):
 what is committed there travels to the GPU machine with the tree, so a rerun makes only what is
 missing. benchmarks/results/compare-earlier-defaults/ holds the comparison made before the raw
