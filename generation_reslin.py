@@ -297,7 +297,7 @@ class _Steps:
     def advance(self, token):
         """The layers on `token` [B, 1]: the cache's states move on; returns the last hidden state."""
         base = self.model.model
-        return base.run_layers(base.embeddings(token), None, None, self.cache, None, False)[0]
+        return base.run_layers(base.embed_tokens(token), None, None, self.cache, None, False)[0]
 
     def step(self):
         hidden_states = self.advance(self.token)

@@ -70,7 +70,8 @@ def check_model_inputs(config, input_ids, inputs_embeds, position_ids, cache, em
     # (remote code, the repository's own folder) is another class object.
     if cache is not None and not callable(getattr(cache, "check_compatible", None)):
         raise TypeError(f"cache must be a ResLinCache, got {type(cache).__name__}: ResLin layers keep recurrent "
-                        f"states that transformers' caches cannot hold (pass None and the model builds its own)")
+                        f"states that transformers' caches cannot hold (pass None and the model builds its own; "
+                        f"PEFT's prefix tuning, which passes prefix keys and values, does not apply to them)")
     if cache is not None:
         cache.check_compatible(config, batch_size)
     return batch_size, num_tokens

@@ -3,9 +3,11 @@
 The recurrence itself (DESIGN.md section 1) lives in `reslin_attention` (kernels_reslin.py); this
 file computes its inputs (features and gates), wraps it in pre-norm blocks with a SwiGLU MLP, and
 handles padding masks and the generation cache. Parameter names follow FLA's GatedDeltaNet
-(`model.embeddings`, `layers.*.attn.{q,k,v}_proj`, `a_proj`, `b_proj`, `A_log`, `dt_bias`,
-`{q,k,v}_conv1d`, `g_proj`, `o_norm`, `o_proj`, `mlp.{gate,up,down}_proj`, `model.norm`,
-`lm_head`), so FLA checkpoints convert by copying names; the residual rules add `gamma_proj`.
+(`layers.*.attn.{q,k,v}_proj`, `a_proj`, `b_proj`, `A_log`, `dt_bias`, `{q,k,v}_conv1d`,
+`g_proj`, `o_norm`, `o_proj`, `mlp.{gate,up,down}_proj`, `model.norm`, `lm_head`), so FLA
+checkpoints convert by copying names, but for the input embedding's: transformers' `embed_tokens`
+(FLA's `embeddings`), the name PEFT looks for to tie and save embeddings. The residual rules add
+`gamma_proj`.
 
 Padding: a padded position leaves every state as it found it (its conv input is zeroed, and
 g = beta = gamma = 0 there), and full attention layers mask padded keys and take RoPE positions
@@ -118,6 +120,9 @@ class ResLinRMSNorm(nn.Module):
 
     def forward(self, x, projections=()):
         return self.normed(x, None, projections)
+
+    def extra_repr(self):
+        return f"{self.weight.shape[0]}, eps={self.eps}"
 
     def normed(self, x, gate, projections):
         if runs_fused(self.fused, x):
@@ -520,12 +525,17 @@ class ResLinBlock(GradientCheckpointingLayer):
         return linear_residual(up, mlp.down_proj.weight, hidden_states)
 
 
+# Checkpoint names of earlier versions, the shipped model.safetensors among them (patterns of
+# transformers' `key_mapping`): the input embedding was FLA's `model.embeddings`.
+LEGACY_KEYS = {r"^model\.embeddings\.": "model.embed_tokens."}
+
+
 class ResLinPreTrainedModel(PreTrainedModel):
     config_class = ResLinConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["ResLinBlock"]
-    _input_embed_layer = "embeddings"
+    _input_embed_layer = "embed_tokens"
     _supports_sdpa = True
 
     @classmethod
@@ -534,8 +544,13 @@ class ResLinPreTrainedModel(PreTrainedModel):
         return False
 
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        model = super().from_pretrained(*args, **kwargs)
+    def from_pretrained(cls, *args, key_mapping=None, **kwargs):
+        # Folders saved before the input embedding took transformers' name load as they were saved.
+        model = super().from_pretrained(*args, key_mapping={**LEGACY_KEYS, **(key_mapping or {})}, **kwargs)
+        # transformers keeps the renamings it loaded with, to save under the loaded names again
+        # (5.0 writes the pattern itself as the name): save under today's names.
+        model._weight_conversions = [conversion for conversion in getattr(model, "_weight_conversions", None) or []
+                                     if not set(getattr(conversion, "target_patterns", ())) & set(LEGACY_KEYS.values())]
         # Loading replaces parameter objects, which drops the flags set in __init__.
         for module in model.modules():
             if isinstance(module, ResLinLinearAttention):
@@ -585,7 +600,7 @@ class ResLinModel(ResLinPreTrainedModel):
         # Again here: from_pretrained(..., field=value) sets fields after the config's own checks ran.
         config.validate()
         super().__init__(config)
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList([ResLinBlock(config, i) for i in range(config.num_hidden_layers)])
         self.norm = ResLinRMSNorm(config.hidden_size, eps=config.norm_eps, fused=uses_fused_layers(config))
         # The layers take their kernels when built (which are fused, which backend): a later
@@ -594,10 +609,10 @@ class ResLinModel(ResLinPreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self):
-        return self.embeddings
+        return self.embed_tokens
 
     def set_input_embeddings(self, value):
-        self.embeddings = value
+        self.embed_tokens = value
 
     def forward(
         self,
@@ -629,7 +644,7 @@ class ResLinModel(ResLinPreTrainedModel):
             logger.warning_once("ResLin models return no attention weights (`attentions` is None): the recurrent "
                                 "layers have none, and the full attention layers run SDPA, which gives none.")
         B, T = check_model_inputs(self.config, input_ids, inputs_embeds, position_ids, cache,
-                                  embedding_dtype=self.embeddings.weight.dtype)
+                                  embedding_dtype=self.embed_tokens.weight.dtype)
 
         if any(layer.gradient_checkpointing for layer in self.layers) and self.training and torch.is_grad_enabled():
             # The backward replay would read states the forward already advanced.
@@ -670,7 +685,7 @@ class ResLinModel(ResLinPreTrainedModel):
             hidden_states = self.decode_with_graph(input_ids, cache)
         if hidden_states is None:
             if input_ids is not None:
-                inputs_embeds = self.embeddings(input_ids)
+                inputs_embeds = self.embed_tokens(input_ids)
             if position_ids is None and "full_attention" in self.config.layer_types:
                 if attention_mask is not None:
                     # Count only real tokens, so RoPE matches the unpadded sequence.
@@ -710,7 +725,7 @@ class ResLinModel(ResLinPreTrainedModel):
         cache.decode_graph = None  # release a stale graph's memory before capturing anew
 
         def step(input_ids):
-            return self.run_layers(self.embeddings(input_ids), None, None, cache, None, False)[0]
+            return self.run_layers(self.embed_tokens(input_ids), None, None, cache, None, False)[0]
 
         hidden_states, cache.decode_graph = ResLinDecodeGraph.capture(self, step, input_ids)
         return hidden_states
@@ -806,7 +821,7 @@ def resolve_cache_keyword(cache, past_key_values, kwargs=None):
 
 
 class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Read by transformers' generate up to 5.24 (see `generate` below), and by other tools that ask
     # whether a model's past can be cropped.
     _is_stateful = True

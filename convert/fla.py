@@ -1,6 +1,7 @@
 """FLA's GatedDeltaNetForCausalLM (model_type "gated_deltanet") -> ResLin.
 
-ResLin's parameter names are FLA's, so weights copy by name; the work is the configuration.
+ResLin's parameter names are FLA's but for the input embedding (FLA's `model.embeddings`,
+transformers' `model.embed_tokens`), so weights copy by name; the work is the configuration.
 Defaults are those of FLA 0.6.0's GatedDeltaNetConfig, for fields a config.json leaves out.
 Options ResLin cannot reproduce exactly are refused by name.
 """
@@ -29,7 +30,7 @@ REQUIRED = {
 ATTENTION_FIELDS = ("num_heads", "num_kv_heads", "qkv_bias", "window_size", "rope_theta")
 # FLA names that ResLin shares; the attention layers' q/k/v/o projections are covered too.
 SHARED_NAME = re.compile(
-    r"model\.embeddings\.weight|model\.norm\.weight|lm_head\.weight|"
+    r"model\.norm\.weight|lm_head\.weight|"
     r"model\.layers\.\d+\.(attn_norm|mlp_norm)\.weight|"
     r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight|"
     r"model\.layers\.\d+\.attn\.((q|k|v|a|b|g|o)_proj\.(weight|bias)|(q|k|v)_conv1d\.weight|o_norm\.weight|A_log|dt_bias)")
@@ -84,6 +85,8 @@ class FLALayout:
         return config
 
     def target_names(self, name):
+        if name == "model.embeddings.weight":
+            return ["model.embed_tokens.weight"]  # transformers' name for the input embedding
         if not SHARED_NAME.fullmatch(name):
             raise ConversionError(f"unexpected tensor {name!r}: not a parameter of FLA's GatedDeltaNetForCausalLM "
                                   "as ResLin reproduces it")

@@ -25,7 +25,7 @@ LITGPT_FIELDS = {
 }
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
 RENAMES = [
-    (r"transformer\.wte\.weight", "model.embeddings.weight"),
+    (r"transformer\.wte\.weight", "model.embed_tokens.weight"),
     (r"transformer\.ln_f\.weight", "model.norm.weight"),
     (r"lm_head\.weight", "lm_head.weight"),
     (r"transformer\.h\.(\d+)\.norm_1\.weight", r"model.layers.\1.attn_norm.weight"),

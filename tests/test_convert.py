@@ -211,7 +211,8 @@ def test_gdn_conversion_reproduces_fla_on_gpu_bf16(fla, tmp_path, capsys, load_r
 
 
 def fla_folder_from_reslin(folder, config_overrides=None, state_edit=None, seed=0):
-    """An FLA-layout checkpoint written without FLA: ResLin's GDN names are FLA's."""
+    """An FLA-layout checkpoint written without FLA: ResLin's GDN names are FLA's, but for the input
+    embedding's (FLA's `embeddings`, transformers' `embed_tokens`)."""
     model = build_model("gdn", seed=seed, num_v_heads=4, expand_v=0.5, tie_word_embeddings=False)
     randomize(model, seed)
     c = model.config
@@ -220,7 +221,7 @@ def fla_folder_from_reslin(folder, config_overrides=None, state_edit=None, seed=
               "num_heads": c.num_heads, "head_dim": c.head_dim, "expand_v": c.expand_v, "num_v_heads": c.num_v_heads,
               "intermediate_size": c.intermediate_size, "norm_eps": c.norm_eps, "tie_word_embeddings": False,
               **(config_overrides or {})}
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = {k.replace("model.embed_tokens.", "model.embeddings."): v.contiguous() for k, v in model.state_dict().items()}
     if state_edit:
         state_edit(state)
     folder.mkdir()

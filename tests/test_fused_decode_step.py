@@ -22,7 +22,7 @@ LINEAR_MIXERS = [name for name, fields in MIXERS.items() if "layer_types" not in
 def fused_step(model, token, cache):
     """A generation step with every block's fused_decode_step called directly; the last hidden state."""
     base = model.model
-    hidden_states = base.embeddings(token)
+    hidden_states = base.embed_tokens(token)
     for block in base.layers:
         hidden_states = block.fused_decode_step(hidden_states, cache)
     cache.advance(1)
@@ -69,7 +69,7 @@ class TestOnGPU:
         for fused in (True, False):
             monkeypatch.setattr(reslin.modeling, "FUSED_DECODE_STEP", fused)
             cache = cache_of(model(ids[:, :32], use_cache=True))
-            step_input = model.model.embeddings(ids[:, 32:])
+            step_input = model.model.embed_tokens(ids[:, 32:])
             assert model.model.layers[0].takes_fused_decode_step(step_input, cache) == fused
             hidden[fused] = model.model(ids[:, 32:], cache=cache).last_hidden_state.float()
             caches[fused] = cache

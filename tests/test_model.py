@@ -37,7 +37,7 @@ def test_parameter_names_follow_fla(tiny_model, tiny_config):
         assert params[prefix + name + ".weight"].shape[1:] == (1, 4)
     assert params[prefix + "A_log"].shape == (2,) and params[prefix + "dt_bias"].shape == (2,)
     assert params[prefix + "o_norm.weight"].shape == (16,)
-    for name in ("model.embeddings.weight", "model.norm.weight", "lm_head.weight", "model.layers.1.attn_norm.weight",
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.1.attn_norm.weight",
                  "model.layers.1.mlp_norm.weight", "model.layers.1.mlp.gate_proj.weight",
                  "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight"):
         assert name in params, name
@@ -57,7 +57,7 @@ def test_initialisation(tiny_model):
     assert torch.equal(attn.o_norm.weight, torch.ones_like(attn.o_norm.weight))
     assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
     assert abs(attn.q_proj.weight.std().item() - 0.02) < 0.004
-    assert abs(model.model.embeddings.weight.std().item() - 0.02) < 0.004
+    assert abs(model.model.embed_tokens.weight.std().item() - 0.02) < 0.004
 
 
 def test_loss_is_shifted_cross_entropy(tiny_model):
@@ -95,7 +95,7 @@ def test_inputs_embeds_and_tuple_output(tiny_model):
 
 def test_tied_embeddings(tiny_model):
     model = tiny_model("gdn", tie_word_embeddings=True)
-    assert model.lm_head.weight.data_ptr() == model.model.embeddings.weight.data_ptr()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
 @torch.no_grad()

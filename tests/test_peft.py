@@ -93,6 +93,32 @@ def test_short_convolutions_train_as_modules_to_save_and_reload(tiny_model, tmp_
         assert torch.equal(model.merge_and_unload()(input_ids=ids).logits, expected)
 
 
+def test_tied_embeddings_go_by_the_names_peft_ties_and_saves(tiny_model, tmp_path):
+    """PEFT knows embeddings by transformers' names (embed_tokens, lm_head): on a tied model, LoRA on
+    both kept tied (ensure_weight_tying) reloads exactly, and the usual modules_to_save recipe trains
+    the input embedding's copy."""
+    ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    config = peft.LoraConfig(r=4, target_modules=["embed_tokens", "lm_head", "q_proj"], ensure_weight_tying=True)
+    model = peft.get_peft_model(tiny_model("rdn", tie_word_embeddings=True), config).eval()
+    assert any("embed_tokens.lora_embedding_A" in name for name, _ in model.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                p.normal_()  # LoRA starts as the identity: give it something to save
+        expected = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path / "adapter")
+    fresh = peft.PeftModel.from_pretrained(tiny_model("rdn", tie_word_embeddings=True), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, expected)
+
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"])
+    model = peft.get_peft_model(tiny_model("rdn", tie_word_embeddings=True), config).train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    saved = {name: p for name, p in model.named_parameters() if "modules_to_save" in name}
+    assert any("embed_tokens" in name for name in saved), sorted(saved)
+    assert all(p.requires_grad and p.grad.abs().sum() > 0 for p in saved.values())
+
+
 @pytest.mark.skipif(kernels_reslin.triton_chunk_attention is None, reason="needs the triton package")
 def test_lora_with_checkpointing_through_the_triton_kernels(tiny_model):
     """LoRA with activation checkpointing through the Triton forward and backward (the interpreter

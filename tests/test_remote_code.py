@@ -3,6 +3,8 @@
 Save/reload comparisons are exact (torch.equal): the same fp32 weights through the same code.
 """
 
+import pytest
+import safetensors.torch
 import torch
 from transformers import AutoConfig
 
@@ -60,7 +62,7 @@ def test_locally_imported_model_saves_a_loadable_folder(tiny_model, load_remote,
     model.save_pretrained(tmp_path)
     assert REMOTE_FILES <= {p.name for p in tmp_path.iterdir()}
     reloaded = load_remote(tmp_path).eval()
-    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embeddings.weight.data_ptr()
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
     ids = torch.randint(1, 100, (2, 7))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
@@ -68,6 +70,29 @@ def test_locally_imported_model_saves_a_loadable_folder(tiny_model, load_remote,
     for name in ("model.layers.0.attn.A_log", "model.layers.1.attn.dt_bias"):
         assert torch.equal(reloaded.get_parameter(name), model.get_parameter(name)), name
         assert reloaded.get_parameter(name)._no_weight_decay, name
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_folder_saved_under_the_earlier_embedding_name_loads_and_saves_under_todays(tiny_model, load_remote,
+                                                                                        tmp_path, tied):
+    """Earlier versions (and the shipped weights) named the input embedding FLA's `model.embeddings`:
+    such a folder loads exactly, and saves under `model.embed_tokens` (transformers would otherwise
+    save under the loaded name again; 5.0 writes the renaming's pattern as the name)."""
+    model = tiny_model("rdn", tie_word_embeddings=tied)
+    model.save_pretrained(tmp_path / "earlier")
+    weights = safetensors.torch.load_file(tmp_path / "earlier" / "model.safetensors")
+    weights["model.embeddings.weight"] = weights.pop("model.embed_tokens.weight")
+    safetensors.torch.save_file(weights, tmp_path / "earlier" / "model.safetensors", metadata={"format": "pt"})
+
+    loaded = load_remote(tmp_path / "earlier").eval()
+    ids = torch.randint(1, 100, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    loaded.save_pretrained(tmp_path / "today")
+    saved = safetensors.torch.load_file(tmp_path / "today" / "model.safetensors")
+    assert "model.embed_tokens.weight" in saved and not any("embeddings" in name for name in saved), sorted(saved)
+    with torch.no_grad():
+        assert torch.equal(load_remote(tmp_path / "today").eval()(ids).logits, model(ids).logits)
 
 
 def test_device_map_auto(tiny_model, load_remote, tmp_path):

@@ -121,7 +121,7 @@ def loaded_model_folder(out_dir):
     for name, tensor in weights.items():
         assert torch.equal(checkpoint["model"][name], tensor), name
     model = AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True).eval()
-    assert model.lm_head.weight is model.model.embeddings.weight
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     return model
 
 
