@@ -50,6 +50,19 @@ training and testing), a table of the best lr per attn type, and JSON (--out) wi
 the task and every run (its validation history, steps run, best step and why it stopped). Rerun
 with other seeds to see the noise.
 
+Stopping and resuming (kla-authors): at each validation the runs save their state beside the JSON,
+in <out>.partial.pt (for --out x.json: x.partial.pt; written to a temporary file, then renamed, so
+a stop while writing keeps the previous one): the records of the runs finished, and of the run under
+way its weights, AdamW's state, the steps trained (the batch order, fixed by --seed, is rebuilt),
+the validations, the best weights, the loss since the last log and the RNGs. The same command
+finds it and resumes from it (a state saved with other flags is refused, naming them); on a CPU
+the result is that of the run never stopped, bit for bit. The finished command writes its JSON
+(also through a temporary file) and removes the saved state. A record's resumed_at_steps lists
+where it resumed; its train_seconds add up the processes that trained it, up to their last saved
+state, and its ms_per_step is the last process's. reslin-gap's runs, without validations, save
+nothing: a stopped one starts over. The paper's model (4.5M parameters) saves 54 MB (the fp32
+weights and AdamW's two moments), 72 MB while its best weights are not its current ones.
+
 GPU cost on one H200, measured under reslin-gap (the step is the same under kla-authors): 9.2 ms
 a training step with --compile, 19.6 ms eager, run alone; the host bounds a step of this small
 model (~700 kernel launches), not the GPU (~0.14 TFLOP a step). A kla-authors run: at most 10K
@@ -74,6 +87,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -247,20 +261,29 @@ def lr_schedule(protocol, peak_lr, steps):
     return lambda step: learning_rate(peak_lr, step, step / steps, warmup_steps, 0.0)
 
 
-def train(model, train_set, batches, lr_at_step, log_every, compile_backend=None, early_stopping=None):
+def train(model, train_set, batches, lr_at_step, log_every, compile_backend=None, early_stopping=None, saved=None,
+          save=None):
     """AdamW over `batches` at lr_at_step(step). Without `early_stopping`, every batch is trained
     and the last model is the result. With early_stopping = (validation_set, eval_interval,
     patience), the validation accuracy is measured every eval_interval steps and at the last
     step; training stops after `patience` validations in a row without a strict gain, and the
     model is left at its best checkpoint (the earliest of the highest validation accuracy).
 
+    With early stopping, `save` (when given) receives the whole training state after each
+    validation: the weights, AdamW's state, the steps trained (the batch order's position), the
+    validations, the best weights (None while they are the current ones), the loss summed since
+    the last log and the RNGs. `saved`, such a state, continues the training from it: on a CPU
+    the result and the weights are those of the run never stopped, bit for bit.
+
     Returns a dict: final_loss (the mean loss of the last `log_every` steps or fewer), ms_per_step
-    (after the first log, so without the first steps' compilation, and without validations),
-    steps_run, best_step and stop_reason; with early stopping also validation_accuracy (the best)
-    and validations ([step, accuracy] each).
+    (of this process's steps after its first log, so without the first steps' compilation, and
+    without validations), train_seconds (of every process that trained it, up to its last saved
+    state), steps_run, best_step, stop_reason and resumed_at_steps (the steps it resumed at); with
+    early stopping also validation_accuracy (the best) and validations ([step, accuracy] each).
     With `compile_backend` the training forward runs through torch.compile (one graph: the
     inputs' shape never changes), which fuses the small elementwise kernels that bound a step of
     this small model by the host; validation runs eagerly."""
+    start = time.perf_counter()
     forward = functools.partial(answer_logits, model)
     if compile_backend is not None:
         forward = torch.compile(forward, fullgraph=True, backend=compile_backend)
@@ -272,13 +295,24 @@ def train(model, train_set, batches, lr_at_step, log_every, compile_backend=None
     optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": WEIGHT_DECAY},
                                    {"params": not_decayed, "weight_decay": 0.0}],
                                   lr=lr_at_step(0), betas=BETAS, fused=device.type == "cuda")
-    model.train()
     recent_loss = torch.zeros((), device=device)
-    first_log = None
-    validations, validation_seconds = [], 0.0
-    best = None  # (its index in validations, the model's state then)
-    stop_reason = f"trained the {steps} steps; the last model is the result"
-    for step in range(steps):
+    if saved is None:
+        step, done, mean_loss, validations, best_index, best_model = 0, False, None, [], None, None
+        stop_reason = f"trained the {steps} steps; the last model is the result"
+        resumed_at_steps, seconds_before = [], 0.0
+    else:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        set_rng_state(saved["rng"], device)
+        recent_loss.copy_(saved["recent_loss"])
+        step, done, mean_loss, stop_reason = saved["step"], saved["done"], saved["final_loss"], saved["stop_reason"]
+        validations, best_index = saved["validations"], saved["best_index"]
+        best_model = weights_copy(model) if saved["best_model"] is None else saved["best_model"]
+        resumed_at_steps, seconds_before = [*saved["resumed_at_steps"], step], saved["train_seconds"]
+    model.train()
+    first_log = None  # (step, time, validation seconds) at this process's first log
+    validation_seconds = 0.0  # validations and saved states: not training steps
+    while not done:  # `step`: the steps trained so far
         for group in optimizer.param_groups:
             group["lr"] = lr_at_step(step)
         batch = batches[step]
@@ -290,41 +324,73 @@ def train(model, train_set, batches, lr_at_step, log_every, compile_backend=None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         recent_loss += loss.detach()  # read on the host only at a log step: no sync per step
-        done = step + 1 == steps
-        if early_stopping is not None and ((step + 1) % early_stopping[1] == 0 or done):
+        step += 1
+        done = step == steps
+        validating = early_stopping is not None and (step % early_stopping[1] == 0 or done)
+        if validating:
             validation_set, _, patience = early_stopping
             synchronize(device)
-            start = time.perf_counter()
-            validations.append([step + 1, accuracy(model, *validation_set)])
+            validation_start = time.perf_counter()
+            validations.append([step, accuracy(model, *validation_set)])
             model.train()
-            validation_seconds += time.perf_counter() - start
-            if best is None or validations[-1][1] > validations[best[0]][1]:
-                best = (len(validations) - 1, {k: v.detach().clone() for k, v in model.state_dict().items()})
-            best_step, best_accuracy = validations[best[0]]
-            print(f"  step {step + 1}/{steps}  validation accuracy {100 * validations[-1][1]:.2f}%  "
+            if best_index is None or validations[-1][1] > validations[best_index][1]:
+                best_index = len(validations) - 1
+                best_model = weights_copy(model)
+            best_step, best_accuracy = validations[best_index]
+            print(f"  step {step}/{steps}  validation accuracy {100 * validations[-1][1]:.2f}%  "
                   f"(best {100 * best_accuracy:.2f}% at step {best_step})", flush=True)
-            if len(validations) - 1 - best[0] >= patience:
+            if len(validations) - 1 - best_index >= patience:
                 stop_reason = f"no validation gain in {patience} validations after step {best_step}"
                 done = True
             elif done:
                 stop_reason = f"reached the {steps} steps"
-        if (step + 1) % log_every == 0 or done:
-            mean_loss = recent_loss.item() / (step % log_every + 1)  # .item() waits for the device
-            now = time.perf_counter()
+            validation_seconds += time.perf_counter() - validation_start
+        if step % log_every == 0 or done:
+            mean_loss = recent_loss.item() / ((step - 1) % log_every + 1)  # .item() waits for the device
             if first_log is None:
-                first_log = (step, now, validation_seconds)
-            print(f"  step {step + 1}/{steps}  loss {mean_loss:.4f}", flush=True)
+                first_log = (step, time.perf_counter(), validation_seconds)
+            print(f"  step {step}/{steps}  loss {mean_loss:.4f}", flush=True)
             recent_loss.zero_()
-        if done:
-            break
-    timed_seconds = now - first_log[1] - (validation_seconds - first_log[2])
-    ms_per_step = 1e3 * timed_seconds / (step - first_log[0]) if step > first_log[0] else float("nan")
-    result = dict(final_loss=mean_loss, ms_per_step=ms_per_step, steps_run=step + 1, best_step=step + 1,
-                  stop_reason=stop_reason)
+        if validating and save is not None:
+            save_start = time.perf_counter()
+            save(dict(step=step, done=done, final_loss=mean_loss, stop_reason=stop_reason, model=model.state_dict(),
+                      optimizer=optimizer.state_dict(), rng=get_rng_state(device), recent_loss=recent_loss,
+                      validations=validations, best_index=best_index,
+                      best_model=None if best_index == len(validations) - 1 else best_model,
+                      resumed_at_steps=resumed_at_steps, train_seconds=seconds_before + save_start - start))
+            validation_seconds += time.perf_counter() - save_start
+    synchronize(device)
+    end = time.perf_counter()
+    timed_steps = step - first_log[0] if first_log is not None else 0
+    timed_seconds = end - first_log[1] - (validation_seconds - first_log[2]) if timed_steps else 0.0
+    ms_per_step = 1e3 * timed_seconds / timed_steps if timed_steps else float("nan")
+    result = dict(final_loss=mean_loss, ms_per_step=ms_per_step, train_seconds=seconds_before + end - start,
+                  steps_run=step, best_step=step, stop_reason=stop_reason, resumed_at_steps=resumed_at_steps)
     if early_stopping is not None:
-        model.load_state_dict(best[1])
+        model.load_state_dict(best_model)
+        best_step, best_accuracy = validations[best_index]
         result.update(best_step=best_step, validation_accuracy=best_accuracy, validations=validations)
     return result
+
+
+def weights_copy(model):
+    """A copy of the model's state dict in which tied weights stay one tensor, as in the model."""
+    copies = {}
+    for tensor in model.state_dict().values():
+        if tensor.data_ptr() not in copies:
+            copies[tensor.data_ptr()] = tensor.detach().clone()
+    return {name: copies[tensor.data_ptr()] for name, tensor in model.state_dict().items()}
+
+
+def get_rng_state(device):
+    """Every RNG a run could draw from after its start (the training itself draws none: no dropout)."""
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def set_rng_state(state, device):
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def synchronize(device):
@@ -332,32 +398,86 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def run(attn_type, peak_lr, args, model_shape, task, data, device):
-    """Train one model and measure it at every length: the run's record for the JSON."""
+def run(attn_type, peak_lr, args, model_shape, task, data, device, saved=None, save=None):
+    """Train one model and measure it at every length: the run's record for the JSON. `saved` and
+    `save`: train's, the state also holding the run's name and time."""
     train_set, batches, test_sets, validation_set = data
     run_start = time.perf_counter()
+    seconds_before = 0.0
+    if saved is not None:
+        if (saved["attn_type"], saved["lr"]) != (attn_type, peak_lr):
+            fail(f"{partial_state_path(args.out)} is the saved state of {saved['attn_type']} lr {saved['lr']:g}, not of the run due next, "
+                 f"{attn_type} lr {peak_lr:g}: delete it to start afresh")
+        seconds_before = saved["run_seconds"]
+        print(f"{attn_type} lr {peak_lr:.0e}: resuming at step {saved['step']}", flush=True)
     model = build_model(attn_type, model_shape, args.kernel_backend, args.seed, device)
-    synchronize(device)
-    start = time.perf_counter()
     early_stopping = (validation_set, task["eval_interval"], task["patience"]) if validation_set is not None else None
+    save_run = None if save is None else lambda state: save(dict(
+        state, attn_type=attn_type, lr=peak_lr, run_seconds=seconds_before + time.perf_counter() - run_start))
     trained = train(model, train_set, batches, lr_schedule(args.protocol, peak_lr, len(batches)),
-                    log_every=max(1, len(batches) // 10),
-                    compile_backend=args.compile, early_stopping=early_stopping)
-    synchronize(device)
-    train_seconds = time.perf_counter() - start
+                    log_every=max(1, len(batches) // 10), compile_backend=args.compile,
+                    early_stopping=early_stopping, saved=saved, save=save_run)
     start = time.perf_counter()
     acc = {f"{factor}x": accuracy(model, *test_sets[factor]) for factor in LENGTH_FACTORS}
     eval_seconds = time.perf_counter() - start
-    run_seconds = time.perf_counter() - run_start
-    ms_per_step = trained.pop("ms_per_step")
+    run_seconds = seconds_before + time.perf_counter() - run_start
+    ms_per_step, train_seconds = trained.pop("ms_per_step"), trained.pop("train_seconds")
     record = dict(attn_type=attn_type, lr=peak_lr, seed=args.seed, compile=args.compile, accuracy=acc, **trained,
                   train_seconds=round(train_seconds, 2), ms_per_step=round(ms_per_step, 2),
                   eval_seconds=round(eval_seconds, 2), run_seconds=round(run_seconds, 2))
+    resumed = f", resumed at step {' and '.join(map(str, trained['resumed_at_steps']))}" \
+        if trained["resumed_at_steps"] else ""
     print(f"{attn_type:5s} lr {peak_lr:.0e}  " + "  ".join(f"{k} {100 * v:6.2f}%" for k, v in acc.items())
-          + f"  | {trained['steps_run']} steps, best {trained['best_step']} ({trained['stop_reason']})"
+          + f"  | {trained['steps_run']} steps, best {trained['best_step']} ({trained['stop_reason']}{resumed})"
           f"  | train {train_seconds:.1f} s ({ms_per_step:.1f} ms/step after the first log), "
           f"test {eval_seconds:.1f} s, run {run_seconds:.1f} s", flush=True)
     return record
+
+
+def fail(message):
+    raise SystemExit(f"mqar.py: error: {message}")
+
+
+def partial_state_path(out):
+    """Where the runs writing their JSON to `out` keep their saved state: beside it, <name>.partial.pt."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}.partial.pt")
+
+
+def resumed_flags(args):
+    """The arguments that a saved state must share with the command resuming it: all but --out."""
+    return {name: value for name, value in vars(args).items() if name != "out"}
+
+
+def load_partial_state(path, flags):
+    """The saved state at `path` (None without one), refused if made with other flags."""
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        reason = str(error).partition("\n")[0]  # torch's unpickling errors run over several lines
+        fail(f"{path} is not a readable saved state ({type(error).__name__}: {reason}): delete it to start afresh")
+    if not isinstance(state, dict) or not {"flags", "runs", "current"} <= state.keys():
+        fail(f"{path} is not a saved state of mqar.py: delete it to start afresh")
+
+    def shown(value):
+        return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    differing = [f"--{name.replace('_', '-')} {shown(flags.get(name))} (saved: {shown(state['flags'].get(name))})"
+                 for name in sorted(flags.keys() | state["flags"].keys())
+                 if flags.get(name) != state["flags"].get(name)]
+    if differing:
+        fail(f"{path} holds the saved state of runs with other flags: {', '.join(differing)}; give its flags to "
+             f"resume them, or delete it to start afresh")
+    return state
+
+
+def save_partial_state(path, state):
+    """torch.save to a temporary file, then renamed: a stop while writing leaves the previous state whole."""
+    temporary = path.with_name(f"{path.name}.tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
 
 
 def parse_args(argv=None):
@@ -383,7 +503,8 @@ def parse_args(argv=None):
     parser.add_argument("--patience", type=int,
                         help=f"kla-authors: validations without a gain before stopping (default "
                              f"{PAPER_EARLY_STOPPING['patience']})")
-    parser.add_argument("--out", default=os.path.join(REPO, "out", "mqar.json"), help="JSON results")
+    parser.add_argument("--out", type=Path, default=Path(REPO) / "out" / "mqar.json",
+                        help="JSON results (the saved state of runs under way beside it: <name>.partial.pt)")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="train through torch.compile (backend: inductor when given alone)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and task: seconds on a CPU")
@@ -408,9 +529,15 @@ def main(argv=None):
         if getattr(args, name) is not None:
             task[name] = getattr(args, name)
     device = torch.device(args.device)
+    state_path, flags = partial_state_path(args.out), resumed_flags(args)
+    saved = load_partial_state(state_path, flags)  # before any work: a state of other flags is refused
+    runs = saved["runs"] if saved is not None else []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     print(f"MQAR on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}"
           f"\nprotocol {args.protocol}\ntask {task}\nmodel {model_shape}, kernel_backend {args.kernel_backend}",
           flush=True)
+    if saved is not None:
+        print(f"resuming from {state_path}: {len(runs)} runs finished", flush=True)
 
     if args.protocol == "kla-authors":
         train_set, validation_set, test_sets = make_kla_authors_sets(task, model_shape["vocab_size"], device)
@@ -428,8 +555,13 @@ def main(argv=None):
         validation_set, data_seeds = None, dict(all=args.seed)
 
     data = (train_set, batches, test_sets, validation_set)
-    runs = [run(attn_type, lr, args, model_shape, task, data, device)
-            for attn_type in args.attn_types for lr in args.lr]
+    def save(current):  # the runs finished and the one under way
+        save_partial_state(state_path, dict(flags=flags, runs=runs, current=current))
+
+    for attn_type, lr in [(attn_type, lr) for attn_type in args.attn_types for lr in args.lr][len(runs):]:
+        runs.append(run(attn_type, lr, args, model_shape, task, data, device,
+                        saved=saved["current"] if saved is not None else None, save=save))
+        saved = None
     selection = "validation_accuracy" if args.protocol == "kla-authors" else "1x test accuracy"
     best = {attn_type: max((r for r in runs if r["attn_type"] == attn_type),
                            key=lambda r: r.get("validation_accuracy", r["accuracy"]["1x"]))
@@ -444,13 +576,14 @@ def main(argv=None):
               + " | ".join(f"{100 * r['accuracy'][f'{f}x']:.2f}%" for f in LENGTH_FACTORS)
               + f" | {r['steps_run']} ({r['best_step']}) | {r['train_seconds']:.0f} |")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(protocol=args.protocol, task=task, model=model_shape, data_seeds=data_seeds,
-                       eval_lengths={f"{f}x": f * task["train_length"] for f in LENGTH_FACTORS},
-                       best_selected_by=selection, device=str(device), kernel_backend=args.kernel_backend,
-                       argv=sys.argv[1:] if argv is None else argv,
-                       runs=runs, best={k: runs.index(v) for k, v in best.items()}), f, indent=1)
+    temporary = args.out.with_name(f"{args.out.name}.tmp")  # renamed once whole: a cut write leaves no result
+    temporary.write_text(json.dumps(dict(
+        protocol=args.protocol, task=task, model=model_shape, data_seeds=data_seeds,
+        eval_lengths={f"{f}x": f * task["train_length"] for f in LENGTH_FACTORS}, best_selected_by=selection,
+        device=str(device), kernel_backend=args.kernel_backend, argv=sys.argv[1:] if argv is None else argv,
+        runs=runs, best={k: runs.index(v) for k, v in best.items()}), indent=1))
+    os.replace(temporary, args.out)
+    state_path.unlink(missing_ok=True)
     print(f"\nwrote {args.out}")
     return runs
 

@@ -2,6 +2,7 @@
 kla-authors' early stopping and best checkpoint, and --smoke runs end to end."""
 
 import importlib.util
+import io
 import json
 import math
 from types import SimpleNamespace
@@ -265,10 +266,11 @@ def test_accuracy_counts_only_the_scored_answers_of_kla_authors():
     assert mqar.accuracy(first_row, inputs, query_positions, answers) == (answers[0] >= 0).sum().item() / scored
 
 
-def scripted_training(monkeypatch, scores, steps, eval_interval, patience):
+def scripted_training(monkeypatch, scores, steps, eval_interval, patience, seed=0, saved=None, save=None):
     """mqar.train on the smoke model with the validation accuracies `scores`, in turn; returns
-    its result, the model, and the output layer's weights at each validation."""
-    model = mqar.build_model("gdn", mqar.SMOKE_MODEL, "torch", seed=0, device=CPU)
+    its result, the model, and the output layer's weights at each validation. The data and the
+    batch order are the same at every call; `seed`, the initial weights'."""
+    model = mqar.build_model("gdn", mqar.SMOKE_MODEL, "torch", seed=seed, device=CPU)
     generator = torch.Generator().manual_seed(0)
     train_set = mqar.make_kla_authors_mqar(64, 32, 4, VOCAB, generator)
     validation_set = mqar.make_kla_authors_mqar(8, 32, 4, VOCAB, generator)
@@ -282,7 +284,7 @@ def scripted_training(monkeypatch, scores, steps, eval_interval, patience):
     monkeypatch.setattr(mqar, "accuracy", scripted_accuracy)
     batches = mqar.shuffled_batches(64, steps, 8, generator)
     result = mqar.train(model, train_set, batches, lambda step: 1e-2, log_every=4,
-                        early_stopping=(validation_set, eval_interval, patience))
+                        early_stopping=(validation_set, eval_interval, patience), saved=saved, save=save)
     return result, model, weights
 
 
@@ -303,6 +305,122 @@ def test_without_patience_running_out_the_last_step_is_validated_too(monkeypatch
     assert result["validations"] == [[3, 0.1], [6, 0.2], [7, 0.3]]
     assert (result["steps_run"], result["best_step"], result["stop_reason"]) == (7, 7, "reached the 7 steps")
     assert torch.equal(model.lm_head.weight, weights[2])
+
+
+def through_a_file(state):
+    """The state as written and read back (torch.save, torch.load with weights_only)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+TIMES = ("ms_per_step", "train_seconds")
+
+
+@pytest.mark.parametrize("resume_after", [1, 3, 5], ids=["best-is-current", "best-is-earlier", "at-the-stop"])
+def test_training_resumed_from_a_saved_state_is_the_uninterrupted_training(monkeypatch, resume_after):
+    """A state saved at each validation, written and read back, continues the training bit for bit
+    (weights, losses, validations, the best checkpoint): after the 1st validation (the best so far,
+    the current weights), the 3rd (the best one validation back, at step 4) and the 5th (where
+    training stops, the best restored). Loss logs (every 4 steps) fall between validations (every
+    2): a log window is cut by the stop. The resumed model starts from other initial weights."""
+    scores = [0.1, 0.5, 0.4, 0.5, 0.3, 0.9]
+    states = []
+    whole, whole_model, _ = scripted_training(monkeypatch, scores, steps=30, eval_interval=2, patience=3,
+                                              save=lambda state: states.append(through_a_file(state)))
+    assert [state["step"] for state in states] == [2, 4, 6, 8, 10] and whole["steps_run"] == 10
+    saved = states[resume_after - 1]
+    assert (saved["best_model"] is None) == (resume_after == 1) and saved["done"] == (resume_after == 5)
+    resumed, resumed_model, _ = scripted_training(monkeypatch, scores[resume_after:], steps=30, eval_interval=2,
+                                                  patience=3, seed=1, saved=saved)
+    assert resumed.pop("resumed_at_steps") == [saved["step"]] and whole.pop("resumed_at_steps") == []
+    assert {k: v for k, v in resumed.items() if k not in TIMES} == {k: v for k, v in whole.items() if k not in TIMES}
+    assert resumed["final_loss"] == whole["final_loss"]  # bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(resumed_model.state_dict().values(),
+                                                  whole_model.state_dict().values()))
+    assert resumed_model.lm_head.weight is resumed_model.get_input_embeddings().weight  # still tied
+
+
+# Two runs of 3 validations each (steps 2, 4 and 6): a saved state at each.
+SWEEP = ["--smoke", "--attn-types", "gdn", "--lr", "1e-3", "3e-3", "--steps", "6", "--eval-interval", "2",
+         "--kernel-backend", "torch", "--device", "cpu"]
+RUN_TIMES = (*TIMES, "eval_seconds", "run_seconds")
+
+
+def sweep(out, stop_after=None):
+    """mqar.main on SWEEP into `out`, stopped (KeyboardInterrupt, as at the end of a GPU call) right
+    after its `stop_after`-th saved state; returns the weights of the last model it built."""
+    built, saves = [], []
+    build_model, save_partial_state = mqar.build_model, mqar.save_partial_state
+
+    def save_then_stop(*args):
+        save_partial_state(*args)
+        saves.append(args)
+        if len(saves) == stop_after:
+            raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mqar, "build_model", lambda *args, **kwargs: built.append(build_model(*args, **kwargs))
+                      or built[-1])
+        patch.setattr(mqar, "save_partial_state", save_then_stop)
+        if stop_after is None:
+            mqar.main([*SWEEP, "--out", str(out)])
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                mqar.main([*SWEEP, "--out", str(out)])
+    return built[-1].state_dict() if built else None
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted") / "mqar.json"
+    weights = sweep(out)
+    return json.loads(out.read_text()), weights
+
+
+@pytest.mark.parametrize("stop_after", [1, 3, 5], ids=["first-run", "first-run-at-its-end", "second-run"])
+def test_a_stopped_run_resumes_from_its_saved_state_to_the_uninterrupted_result(tmp_path, uninterrupted_sweep,
+                                                                                stop_after):
+    """mqar.main stopped after a validation, then run again with the same flags: it resumes from
+    <out>.partial.pt and writes the JSON (accuracies, validations, best and last steps, losses)
+    and the final weights of the run never stopped, then removes its saved state. Stopped after
+    the 1st run's first validation, its last (training over, not yet tested) and the 2nd run's
+    second (the 1st run's record in the state)."""
+    out = tmp_path / "mqar.json"
+    sweep(out, stop_after)
+    state_path = tmp_path / "mqar.partial.pt"
+    assert not out.exists() and state_path.is_file() and not state_path.with_name("mqar.partial.pt.tmp").exists()
+    saved = torch.load(state_path, weights_only=True)
+    assert (len(saved["runs"]), saved["current"]["lr"], saved["current"]["step"], saved["current"]["done"]) == {
+        1: (0, 1e-3, 2, False), 3: (0, 1e-3, 6, True), 5: (1, 3e-3, 4, False)}[stop_after]
+
+    weights = sweep(out)
+    assert not state_path.exists()
+    expected, expected_weights = uninterrupted_sweep
+    result = json.loads(out.read_text())
+    for run, expected_run in zip(result["runs"], expected["runs"], strict=True):
+        assert {k: v for k, v in run.items() if k not in RUN_TIMES + ("resumed_at_steps",)} == \
+            {k: v for k, v in expected_run.items() if k not in RUN_TIMES + ("resumed_at_steps",)}
+        assert expected_run["resumed_at_steps"] == []
+    assert [run["resumed_at_steps"] for run in result["runs"]] == {1: [[2], []], 3: [[6], []], 5: [[], [4]]}[stop_after]
+    assert {k: v for k, v in result.items() if k not in ("runs", "argv")} == \
+        {k: v for k, v in expected.items() if k not in ("runs", "argv")}
+    assert weights.keys() == expected_weights.keys()
+    assert all(torch.equal(weights[name], expected_weights[name]) for name in weights)
+
+
+def test_a_saved_state_of_other_flags_is_refused(tmp_path, capsys):
+    out = tmp_path / "mqar.json"
+    sweep(out, stop_after=1)
+    with pytest.raises(SystemExit, match=r"mqar.py: error: .*mqar.partial.pt holds the saved state of runs with other "
+                                         r"flags: --lr 0.001 \(saved: 0.001 0.003\), --seed 1 \(saved: 42\); give its "
+                                         r"flags to resume them, or delete it to start afresh"):
+        mqar.main([*SWEEP[:5], "--seed", "1", *SWEEP[6:], "--out", str(out)])  # --lr 1e-3 alone
+    (tmp_path / "mqar.partial.pt").write_bytes(b"not a state")
+    with pytest.raises(SystemExit, match="mqar.partial.pt is not a readable saved state .*: delete it to start afresh"):
+        mqar.main([*SWEEP, "--out", str(out)])
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("model_shape", [mqar.SMOKE_MODEL, mqar.PAPER_MODEL], ids=["smoke", "paper"])
