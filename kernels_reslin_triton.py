@@ -6,7 +6,9 @@ backward through `_EagerChunkAttention`, without the ops' dispatch.
 
 The kernels live in the kernels_reslin_triton_* modules: launch (the launcher), common (tile
 helpers), decode, wy (T^-1, P, the WY terms), state (the state passes), output, forward (the
-chain of launches), backward, and tuning (every tile, warp and path choice).
+chain of launches), backward, and tuning (every tile, warp and path choice); layers and gemv
+hold the model's fused layer kernels and a generation step's products, which the model calls
+directly.
 """
 
 import hashlib

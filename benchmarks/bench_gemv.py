@@ -1,13 +1,12 @@
 """A generation step's projections: the fused GEMV kernels (kernels_reslin_triton_gemv.py) against
-the unfused path the model runs today, both replayed from CUDA graphs.
+the unfused step (`modeling_reslin.FUSED_DECODE_STEP = False`), both replayed from CUDA graphs.
 
 For each entry point, shape and batch it prints the time of one call as a generation step's CUDA
 graph sees it: CALLS calls captured in one graph, the graph replayed, the time divided by the
 calls, so that launch gaps count and the host's time does not. The unfused path is what
 modeling_reslin runs at a decode step: the fused rms_norm kernel (with its projections for the
 MLP and the gated output norm), F.linear, the SwiGLU kernel, the residual add; the in-projection's
-weights already side by side (the step concatenates them at every call today, a copy of 8 MB at
-the 400M shape that this leaves out). Beside the times:
+weights side by side, as the cache keeps them (`ResLinCache.side_by_side_weight`). Beside the times:
 the weight bytes read per call over the time (GB/s, the roofline being the H200's ~4.3 TB/s), the
 ratio ours / unfused, and ours' relative error against the unfused output (bf16: ~1e-3 or less,
 the two rounding at the same points).

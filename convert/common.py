@@ -327,7 +327,7 @@ def write_weights(folder, layout, weight_files, expected, dtype, max_shard_bytes
                 gamma_name = target.replace(".attn.b_proj.", ".attn.gamma_proj.")
                 if residual and gamma_name != target:
                     # The correction gate starts as the write strength: gamma = beta, so that the residual
-                    # state's write of the current token matches GDN's (README, "Upcycling").
+                    # state's write of the current token matches GDN's (DESIGN.md section 8, "Upcycling").
                     writer.add(gamma_name, out.clone())
                     written[gamma_name] = name
     missing = sorted(set(expected) - set(written))

@@ -4,7 +4,7 @@ kernels_reslin_triton_gemv), for an H200 (sm_90) on any machine, GPU or not, and
 what the compiler can tell without running: that each variant compiles, and that its shared
 memory fits the GPU (232448 bytes on an H200; a launch past it fails with OutOfResources).
 Device time is scarce: this catches compile errors and shared-memory overflows before a GPU run.
-Register spills are only reported when a kernel is loaded on a GPU.
+`--registers` reports each variant's registers and spills from Triton's bundled ptxas.
 
     python tools/compile_for_gpu.py [--head-sizes 64 128 256] [--dtypes bf16 fp32] [--registers] [--layers-only]
     python tools/compile_for_gpu.py --gemv-only --registers   # kernels_reslin_triton_gemv alone
