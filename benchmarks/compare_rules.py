@@ -30,7 +30,11 @@ One markdown table at the end, with the command that reproduces each of its rows
 Rules: --rules picks them (default: all six for both parts; the KLA paper's MQAR has gdn and
 kla, ResLin's other rules run the same task). A run finished in --results is not run again, so
 a comparison can be split over several processes (one GPU call each) and a stopped one
-continued; an LM run stopped after a checkpoint resumes from it (train.py --resume). A rule
+continued; an LM run stopped after a checkpoint resumes from it (train.py --resume), a
+kla-authors MQAR run from the state it saved at its last validation (mqar.py keeps it beside the
+run's JSON, in <results>/mqar/<rule>-seed<seed>.partial.pt, and removes it once the JSON is
+written). A run with such a state counts as started, not done: "missing" in the table, "started"
+in the last line printed, "compare: N of M runs done[, K more started ...]". A rule
 whose LM run fails (a non-finite loss) is reported and the others still run. The first run in a
 --results folder records the flags of each part in comparison.json; a later command with other
 flags is refused, so one folder is one comparison. Extra flags go to every run through
@@ -51,7 +55,7 @@ with a higher --max-steps.
 GPU time, measured (2026-11-30), one H200: 12 runs at once (--jobs 12) ran the LM steps at 540 ms
 each (15K tokens/s a run; the shipped config trains alone at ~130 ms a step of 4x the rows) and
 the MQAR steps at ~64 ms; in a 500 s call the 6 LM runs of seed 0 finished (4.4 min each, after
-~1 min of start-up and compiles) and no MQAR run did: an MQAR run cut short leaves nothing, so a
+~1 min of start-up and compiles) and no MQAR run did: an MQAR run cut short left nothing then, so a
 call starts runs only while they can still finish (--start-within). On 2 x H200: --jobs
 8 (runs go to the visible GPU running the fewest) with MQAR's step compiled (--mqar-args=--compile:
 9.2 ms a step alone against 19.6 ms eager) finished the other 24 runs, 12 LM and 12 MQAR, in two
@@ -60,8 +64,15 @@ jobs of 346 s and 164 s: the job `bash tools/gpu_run.sh compare` is --jobs 4 per
 kla-authors run trains the same model, in fp32 weights under bf16 autocast (casts: a step not yet
 timed), for at most 10K steps (fewer when it stops early) and adds 50 validations of 0.5M tokens
 (forward only, ~0.1 s each). Its steps run are in the table's notes. A GPU call is at most 10
-minutes and starts a bare machine, so repeat one command until the table is whole, bringing back
-only the small JSON files. The default --results,
+minutes, so repeat one command until the table is whole, bringing back only the small JSON files.
+--start-within holds back only the runs that would start over if cut: the LM runs (their first
+checkpoint, at train.py's --save-interval 1000, comes after their 500 steps) and reslin-gap's
+MQAR runs; a kla-authors MQAR run starts whenever a slot frees, and one that the call's end cuts
+continues in the next call from its last validation (every 200 steps), if that call finds the
+machine still warm: the saved states (54-72 MB each, git-ignored) stay in the working tree there
+and are not brought back, so a fresh machine starts those runs over. At the call's end `timeout`
+sends SIGTERM: the runs stop, and the table and its last line, the job's summary, still print. The
+default --results,
 benchmarks/results/compare/, is in the repository (its .gitignore keeps the JSON files only):
 what is committed there travels to the GPU machine with the tree, so a rerun makes only what is
 missing. benchmarks/results/compare-earlier-defaults/ holds the comparison made before the raw
@@ -81,6 +92,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -138,8 +150,9 @@ def parse_args(argv=None):
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once, each its own process (default 1), spread over the visible GPUs")
     parser.add_argument("--start-within", type=float, default=None, metavar="MINUTES",
-                        help="with --jobs: start no run after this many minutes, so that a time-limited call ends "
-                             "with whole runs (an MQAR run cut short leaves nothing)")
+                        help="with --jobs: start no run that would start over if cut (LM runs, reslin-gap MQAR "
+                             "runs) after this many minutes, so that a time-limited call ends with whole runs; "
+                             "kla-authors MQAR runs save their state at each validation and may start later")
     parser.add_argument("--table", action="store_true", help="print the table of the results present; run nothing")
     args = parser.parse_args(argv)
     if len(set(args.seeds)) < len(args.seeds) or min(args.seeds) < 0:
@@ -161,6 +174,15 @@ def lm_run_dir(results, rule, seed):
 
 def mqar_result_path(results, rule, seed):
     return results / "mqar" / f"{rule}-seed{seed}.json"
+
+
+def saved_state_path(results, part, rule, seed):
+    """Where a run stopped before its end keeps the state it resumes from: an LM run's checkpoint
+    (train.py writes one every --save-interval steps), an MQAR run's state saved at its last
+    validation (mqar.py, kla-authors)."""
+    if part == "lm":
+        return lm_run_dir(results, rule, seed) / train.CHECKPOINT
+    return mqar.partial_state_path(mqar_result_path(results, rule, seed))
 
 
 def finished_lm_run(run_dir):
@@ -292,15 +314,16 @@ def run_lm_part(train_args, rules, seeds, results):
 
 
 def run_mqar_part(extra_args, rules, seeds, results):
+    """Run each rule at each seed not finished yet, seed by seed; mqar.py resumes a run from its
+    saved state, writes its JSON whole and then removes the state."""
     pending = [(rule, seed) for seed in seeds for rule in rules if not mqar_result_path(results, rule, seed).is_file()]
+    started = sum(saved_state_path(results, "mqar", rule, seed).is_file() for rule, seed in pending)
     print(f"compare: mqar: {len(rules) * len(seeds) - len(pending)} of {len(rules) * len(seeds)} runs finished "
-          f"already", flush=True)
+          f"already, {started} to resume from their saved state", flush=True)
     for rule, seed in pending:
         print(f"compare: mqar {rule} seed {seed}", flush=True)
-        path = mqar_result_path(results, rule, seed)
-        partial = path.with_name(path.name + ".partial")  # renamed once whole: a cut run leaves no result
-        mqar.main([*extra_args, "--attn-types", rule, "--seed", str(seed), "--out", str(partial)])
-        os.replace(partial, path)
+        mqar.main([*extra_args, "--attn-types", rule, "--seed", str(seed), "--out",
+                   str(mqar_result_path(results, rule, seed))])
 
 
 def visible_gpus():
@@ -326,14 +349,29 @@ def run_concurrently(args, configs, lm_rules, mqar_rules):
     runs = [(f"{part}-{rule}-seed{seed}",
              [sys.executable, __file__, "--results", str(args.results), "--parts", part, "--rules", rule,
               "--seeds", str(seed), *configs[part]["flags"]]) for part, rule, seed in pending]
-    return run_processes(runs, args.jobs, args.start_within, args.results / "logs", "compare")
+    # kla-authors' MQAR runs save their state at each validation (every 200 steps): one cut by the
+    # call's end continues in the next. An LM run checkpoints every --save-interval steps (train.py's
+    # default, 1000, is past the comparison's 500): it would start over.
+    resumable = {f"mqar-{rule}-seed{seed}" for part, rule, seed in pending
+                 if part == "mqar" and args.mqar_protocol == "kla-authors"}
+    return run_processes(runs, args.jobs, args.start_within, args.results / "logs", "compare", resumable)
 
 
-def run_processes(runs, jobs, start_within, logs, tag):
+class Stopped(Exception):
+    """SIGTERM reached run_processes: the GPU call's time limit (`timeout` signals every process)."""
+
+
+def raise_stopped(signum, frame):
+    raise Stopped
+
+
+def run_processes(runs, jobs, start_within, logs, tag, resumable=()):
     """Each (name, command) of `runs` as its own process, `jobs` at once, in order, its output in
-    logs/<name>.log; none started after `start_within` minutes (None: no limit), so that a
-    time-limited call ends with whole runs. Runs go to the visible GPU running the fewest. Returns
-    the runs that failed, with the end of their log."""
+    logs/<name>.log. After `start_within` minutes (None: no limit) no run starts but those named
+    in `resumable` (they save their state as they go: what a call's end cuts, the next call
+    continues), so that a time-limited call ends with whole runs. Runs go to the visible GPU
+    running the fewest. On SIGTERM the runs are stopped and it returns, so that the caller can
+    still report. Returns the runs that failed, with the end of their log."""
     print(f"{tag}: {len(runs)} runs to make, {jobs} at once (logs in {logs})", flush=True)
     logs.mkdir(parents=True, exist_ok=True)
     # One thread per run: PyTorch would otherwise start a thread per core in each process.
@@ -343,31 +381,50 @@ def run_processes(runs, jobs, start_within, logs, tag):
         print(f"{tag}: runs spread over {len(gpus)} GPU(s), each on the one running the fewest", flush=True)
     waiting, running, failures = list(runs), [], []
     start = time.monotonic()
-    while waiting or running:
-        if start_within is not None and waiting and time.monotonic() - start > 60 * start_within:
-            print(f"{tag}: {len(waiting)} runs not started: --start-within {start_within:g} minutes has passed",
-                  flush=True)
-            waiting = []
-        while waiting and len(running) < jobs:
-            name, command = waiting.pop(0)
-            log = logs / f"{name}.log"
-            gpu = min(gpus, key=[entry[3] for entry in running].count)
-            run_environment = environment if gpu is None else {**environment, "CUDA_VISIBLE_DEVICES": gpu}
-            with open(log, "w") as output:
-                process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=run_environment)
-            running.append((name, log, process, gpu))
-        finished = next((entry for entry in running if entry[2].poll() is not None), None)
-        if finished is None:
-            time.sleep(1)
-            continue
-        running.remove(finished)
-        name, log, process, _ = finished
-        if process.returncode == 0:
-            print(f"{tag}: {name} done", flush=True)
-        else:
-            tail = "\n".join(log.read_text().splitlines()[-5:])
-            print(f"{tag}: {name} FAILED (exit {process.returncode}):\n{tail}", flush=True)
-            failures.append(f"{name}: exit {process.returncode}, see {log}")
+    previous_handler = signal.signal(signal.SIGTERM, raise_stopped)
+    try:
+        while waiting or running:
+            if start_within is not None and time.monotonic() - start > 60 * start_within:
+                late = [name for name, _ in waiting if name not in resumable]
+                if late:
+                    print(f"{tag}: {len(late)} runs not started: --start-within {start_within:g} minutes has passed"
+                          + (f" ({len(waiting) - len(late)} that resume where stopped still start)"
+                             if len(late) < len(waiting) else ""), flush=True)
+                    waiting = [(name, command) for name, command in waiting if name in resumable]
+            while waiting and len(running) < jobs:
+                name, command = waiting.pop(0)
+                log = logs / f"{name}.log"
+                gpu = min(gpus, key=[entry[3] for entry in running].count)
+                run_environment = environment if gpu is None else {**environment, "CUDA_VISIBLE_DEVICES": gpu}
+                with open(log, "w") as output:
+                    process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=run_environment)
+                running.append((name, log, process, gpu))
+            finished = next((entry for entry in running if entry[2].poll() is not None), None)
+            if finished is None:
+                time.sleep(1)
+                continue
+            running.remove(finished)
+            name, log, process, _ = finished
+            if process.returncode == 0:
+                print(f"{tag}: {name} done", flush=True)
+            else:
+                tail = "\n".join(log.read_text().splitlines()[-5:])
+                print(f"{tag}: {name} FAILED (exit {process.returncode}):\n{tail}", flush=True)
+                failures.append(f"{name}: exit {process.returncode}, see {log}")
+    except Stopped:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop is enough: report what was made
+        print(f"{tag}: stopped by SIGTERM: {len(running)} runs cut short ("
+              f"{', '.join(name for name, *_ in running) or 'none'}; those that save their state resume in the next "
+              f"call), {len(waiting)} not started", flush=True)
+        for _, _, process, _ in running:
+            process.terminate()  # `timeout` has signalled them already; a `kill` of this process alone has not
+        for _, _, process, _ in running:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
     return failures
 
 
@@ -532,6 +589,18 @@ def comparison_table(results, lm_rules, mqar_rules, seeds):
                       *command_lines(results, configs, lm_runs, mqar_runs, lm_rules, mqar_rules, seeds)])
 
 
+def progress_line(results, lm_rules, mqar_rules, seeds):
+    """How many of the runs asked for are done, and how many more were started: stopped with a
+    state to resume from."""
+    asked = [("lm", rule, seed) for rule in lm_rules for seed in seeds]
+    asked += [("mqar", rule, seed) for rule in mqar_rules for seed in seeds]
+    finished = {part: finished_runs(results, part) for part in PARTS}
+    pending = [run for run in asked if run[2] not in finished[run[0]].get(run[1], {})]
+    started = sum(saved_state_path(results, *run).is_file() for run in pending)
+    return f"compare: {len(asked) - len(pending)} of {len(asked)} runs done" + (
+        f", {started} more started (they resume from their saved state)" if started else "")
+
+
 def main(argv=None):
     args = parse_args(argv)
     lm_rules = (args.rules or LM_RULES) if "lm" in args.parts else ()
@@ -561,6 +630,7 @@ def main(argv=None):
                 run_mqar_part(extra_mqar_args, mqar_rules, args.seeds, args.results)
     table = comparison_table(args.results, lm_rules, mqar_rules, args.seeds)
     print(table)
+    print(progress_line(args.results, lm_rules, mqar_rules, args.seeds), flush=True)  # the GPU job's summary line
     if failures:
         fail("runs failed:\n" + "\n".join(failures))
     return table

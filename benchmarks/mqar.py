@@ -406,8 +406,8 @@ def run(attn_type, peak_lr, args, model_shape, task, data, device, saved=None, s
     seconds_before = 0.0
     if saved is not None:
         if (saved["attn_type"], saved["lr"]) != (attn_type, peak_lr):
-            fail(f"{partial_state_path(args.out)} is the saved state of {saved['attn_type']} lr {saved['lr']:g}, not of the run due next, "
-                 f"{attn_type} lr {peak_lr:g}: delete it to start afresh")
+            fail(f"{partial_state_path(args.out)} is the saved state of {saved['attn_type']} lr {saved['lr']:g}, "
+                 f"not of the run due next, {attn_type} lr {peak_lr:g}: delete it to start afresh")
         seconds_before = saved["run_seconds"]
         print(f"{attn_type} lr {peak_lr:.0e}: resuming at step {saved['step']}", flush=True)
     model = build_model(attn_type, model_shape, args.kernel_backend, args.seed, device)

@@ -3,8 +3,10 @@ to a temporary folder, mqar.py --smoke, torch kernels) land per rule and are not
 table's means and spreads are checked against hand-computed numbers on fabricated results."""
 
 import json
+import os
 import shlex
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -55,7 +57,7 @@ def test_each_rule_runs_into_its_own_folder_and_a_rerun_skips_finished_runs(tmp_
         assert [(run["attn_type"], run["seed"]) for run in saved["runs"]] == [(rule, 0)]
         assert saved["protocol"] == "kla-authors"  # the default
         assert table_rows(table)[rule][-2:] == ["0", "kla-authors"]
-    assert not list(results.glob("mqar/*.partial"))
+    assert not list(results.glob("mqar/*.partial.pt"))  # a finished run removes its saved state
 
     calls = []
 
@@ -155,7 +157,7 @@ def fabricated(tmp_path):
     write_mqar_run(results, "kla", 0, 0.9)
     write_mqar_run(results, "kla", 1, 0.8)
     write_mqar_run(results, "gdn", 0, 0.7, steps_run=2600, best_step=600)
-    (results / "mqar" / "rdn-seed0.json.partial").write_text("{")  # a cut MQAR run: not a result
+    (results / "mqar" / "rdn-seed0.partial.pt").write_bytes(b"")  # a stopped MQAR run: not a result
     (results / compare_rules.CONFIG_FILE).write_text(json.dumps(
         {"lm": {"flags": ["--max-steps", "500"], "argv": []}, "mqar": {"flags": [], "argv": []}}))
     return results
@@ -166,8 +168,13 @@ def table_rows(table):
             for line in table.splitlines() if line.startswith("| ") and not line.startswith("| rule")}
 
 
-def test_table_aggregates_the_seeds_present_and_marks_what_is_missing(fabricated):
+def test_table_aggregates_the_seeds_present_and_marks_what_is_missing(fabricated, capsys):
+    (fabricated / "lm" / "sgla-seed0" / "checkpoint.pt").write_bytes(b"")  # a stopped LM run, to resume
     table = compare_rules.main(["--results", str(fabricated), "--table", "--seeds", "0", "1", "2"])
+    # The last line printed: the GPU job's summary. 6 rules x 3 seeds x 2 parts asked for; done:
+    # LM rdn 0 1 2 and gdn 0, MQAR kla 0 1 and gdn 0; started: LM sgla 0, MQAR rdn 0.
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "compare: 7 of 36 runs done, 2 more started (they resume from their saved state)"
     rows = table_rows(table)
     assert list(rows) == ["sgla", "rla", "gdn", "kla", "rdn", "rkla"]  # the issue's order
     # rule: loss, bits/byte, tokens/s, LM seeds, MQAR 1x, 2x, 4x, 8x, MQAR seeds, MQAR protocol
@@ -233,7 +240,6 @@ def recording_mqar_main(calls):
         out = Path(argv[argv.index("--out") + 1])
         write_mqar_run(out.parent.parent, argv[argv.index("--attn-types") + 1], int(argv[argv.index("--seed") + 1]),
                        0.5)
-        (out.parent / out.name.removesuffix(".partial")).rename(out)
     return main
 
 
@@ -360,3 +366,74 @@ def test_no_run_starts_after_start_within(tmp_path, corpus, capsys):
     assert "| gdn | missing |" in table and "| rdn | missing |" in table
     with pytest.raises(SystemExit):
         compare_rules.main(tiny_argv(tmp_path / "results", corpus, "--start-within", "1"))
+
+
+@pytest.mark.parametrize("protocol, message", [
+    ("kla-authors", "compare: 1 runs not started: --start-within 0 minutes has passed (1 that resume where stopped "
+                    "still start)"),
+    ("reslin-gap", "compare: 2 runs not started: --start-within 0 minutes has passed\n"),
+])
+def test_after_start_within_only_runs_that_resume_where_stopped_start(tmp_path, corpus, capsys, protocol, message):
+    """kla-authors' MQAR runs save their state at each validation: started late, they continue in
+    the next call. reslin-gap's save nothing, and the LM runs' first checkpoint comes too late."""
+    results = tmp_path / "results"
+    table = compare_rules.main(tiny_argv(results, corpus, "--rules", "gdn", "--jobs", "2", "--start-within", "0",
+                                         "--mqar-protocol", protocol))
+    assert message in capsys.readouterr().out
+    made = protocol == "kla-authors"
+    assert table_rows(table)["gdn"][-2:] == (["0", "kla-authors"] if made else ["missing 0", "—"])
+    assert table_rows(table)["gdn"][0] == "missing"
+
+
+def test_a_stopped_mqar_run_counts_as_started_and_resumes_from_its_saved_state(tmp_path, monkeypatch, capsys):
+    results = tmp_path / "results"
+    argv = ["--results", str(results), "--parts", "mqar", "--rules", "gdn",
+            f"--mqar-args={TINY_MQAR} --eval-interval 2"]
+    save_partial_state = compare_rules.mqar.save_partial_state
+
+    def save_then_stop(*args):
+        save_partial_state(*args)
+        raise KeyboardInterrupt  # as if the GPU call's time ran out right after step 2's validation
+
+    monkeypatch.setattr(compare_rules.mqar, "save_partial_state", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        compare_rules.main(argv)
+    monkeypatch.undo()
+    capsys.readouterr()
+    table = compare_rules.main(argv[:2] + ["--table", "--parts", "mqar", "--rules", "gdn"])
+    assert table_rows(table)["gdn"][-2:] == ["missing 0", "—"]
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "compare: 0 of 1 runs done, 1 more started (they resume from their saved state)"
+    compare_rules.main(argv)
+    out = capsys.readouterr().out
+    assert "compare: mqar: 0 of 1 runs finished already, 1 to resume from their saved state" in out
+    assert out.splitlines()[-1] == "compare: 1 of 1 runs done"
+    run = json.loads((results / "mqar" / "gdn-seed0.json").read_text())["runs"][0]
+    assert (run["resumed_at_steps"], run["steps_run"]) == ([2], 4)
+    assert not (results / "mqar" / "gdn-seed0.partial.pt").exists()
+
+
+def test_sigterm_stops_the_runs_and_returns(tmp_path, monkeypatch, capsys):
+    """`timeout`, at the end of a GPU call, sends SIGTERM: run_processes stops its runs and returns,
+    so that the table and the summary line still print."""
+    sleeper = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"]
+    runs = [(f"run{index}", sleeper) for index in range(3)]
+    logs = tmp_path / "logs"
+    real_sleep, signalled, handler = compare_rules.time.sleep, [], signal.getsignal(signal.SIGTERM)
+
+    def sleep_or_stop(seconds):  # once both running runs have printed their process id
+        if not signalled and all((logs / f"run{index}.log").is_file() and (logs / f"run{index}.log").read_text()
+                                 for index in range(2)):
+            signalled.append(True)
+            signal.raise_signal(signal.SIGTERM)
+        real_sleep(0.1)
+
+    monkeypatch.setattr(compare_rules.time, "sleep", sleep_or_stop)
+    assert compare_rules.run_processes(runs, 2, None, logs, "compare") == []
+    assert signalled
+    assert "compare: stopped by SIGTERM: 2 runs cut short (run0, run1; those that save their state resume in the " \
+           "next call), 1 not started" in capsys.readouterr().out
+    for index in range(2):
+        with pytest.raises(ProcessLookupError):  # ended and reaped
+            os.kill(int((logs / f"run{index}.log").read_text()), 0)
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back

@@ -48,9 +48,11 @@
 #   context      context parallelism on 2 GPUs (nvidia-h200-x2): its GPU tests, then
 #                benchmarks/bench_context_parallel.py under torchrun (600)
 #   ddp          benchmarks/bench_data_parallel.py: train.py's tokens/s on 1 and 2 GPUs (nvidia-h200-x2) (300)
-#   compare      benchmarks/compare_rules.py --seeds 0 1 2, 4 runs a GPU at once, MQAR compiled, no run
-#                started after 3.5 min; its JSON results into compare.tgz in the log folder (untar
-#                it in the repository's root: see the script's docstring) (570)
+#   compare      benchmarks/compare_rules.py --seeds 0 1 2, 4 runs a GPU at once, MQAR compiled, no LM run
+#                started after 3.5 min (MQAR runs still start: one cut at the end resumes from its last
+#                validation in the next call, if the machine is still warm); its JSON results into
+#                compare.tgz in the log folder (untar it in the repository's root: see the script's
+#                docstring); its summary line: "compare: N of M runs done[, K more started ...]" (570)
 #   residual-clip  benchmarks/residual_clip.py: rla and rdn, c = 1 and off, seeds 0-2, 4 runs a GPU at
 #                once; the c = 1 runs that the comparison trained on this machine are measured in place
 #                (so run it right after `compare`, while the machine is warm); its JSON records into
