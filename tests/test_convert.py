@@ -221,7 +221,8 @@ def fla_folder_from_reslin(folder, config_overrides=None, state_edit=None, seed=
               "num_heads": c.num_heads, "head_dim": c.head_dim, "expand_v": c.expand_v, "num_v_heads": c.num_v_heads,
               "intermediate_size": c.intermediate_size, "norm_eps": c.norm_eps, "tie_word_embeddings": False,
               **(config_overrides or {})}
-    state = {k.replace("model.embed_tokens.", "model.embeddings."): v.contiguous() for k, v in model.state_dict().items()}
+    state = {name.replace("model.embed_tokens.", "model.embeddings."): tensor.contiguous()
+             for name, tensor in model.state_dict().items()}
     if state_edit:
         state_edit(state)
     folder.mkdir()
