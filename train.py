@@ -165,9 +165,16 @@ def parse_args(argv=None):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("val_fraction", "lr", "min_lr_ratio", "weight_decay", "beta2", "grad_clip", "time_budget",
+                 "residual_clip"):
+        if getattr(args, name) is not None and not math.isfinite(getattr(args, name)):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number, got {getattr(args, name)}")
     for name in ("warmup_steps", "eval_tokens", "weight_decay", "grad_clip"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.eval_tokens == 1:
+        parser.error("--eval-tokens 1 holds only the split's first <bos>, which nothing predicts: give 0 (all) or "
+                     "at least 2")
     if args.time_budget is not None and not args.time_budget > 0:
         parser.error(f"--time-budget must be > 0 minutes, got {args.time_budget}")
     if not args.lr > 0 or not 0 <= args.min_lr_ratio <= 1 or not 0 <= args.beta2 < 1:
@@ -373,12 +380,12 @@ class TrainBatches:
 
 def validation_batches(stream, seq_len, batch_size, max_tokens, device, rank=0, num_processes=1):
     """The validation stream in order, cut into rows of seq_len (the last one shorter), batch_size
-    rows a batch; only the first rows holding max_tokens tokens when max_tokens > 0. Of
+    rows a batch; only its first max_tokens tokens when max_tokens > 0. Of
     `num_processes`, process `rank` takes its share of each batch's rows as in training. A process
     left without rows (the last batch can be short) gets the batch's first token, which predicts
     nothing: every process runs the same number of forwards, as FSDP's weight gathering needs."""
-    end = min(len(stream), max_tokens) if max_tokens else len(stream)
-    rows = [stream[i:i + seq_len] for i in range(0, end, seq_len)]
+    stream = stream[:max_tokens] if max_tokens else stream
+    rows = [stream[i:i + seq_len] for i in range(0, len(stream), seq_len)]
     share = batch_size // num_processes
     batches = []
     for i in range(0, len(rows), batch_size):
@@ -668,6 +675,13 @@ def train(args, argv, accelerator):
     if checkpoint is None and checkpoint_path.exists():
         fail(f"{args.out_dir} already holds a run ({CHECKPOINT}): pass --resume to continue it, or choose "
              f"another --out-dir")
+    # (A --data-dir inside --out-dir is no reason to refuse: the main process may be building it already.)
+    found = sorted(path.name for path in (args.out_dir.iterdir() if checkpoint is None and args.out_dir.is_dir() else ())
+                   if not args.data_dir.resolve().is_relative_to(path.resolve()))
+    if found:
+        fail(f"--out-dir {args.out_dir} holds files ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}) but no "
+             f"run to resume ({CHECKPOINT}): the model folder written there would replace them; choose a new or empty "
+             f"folder")
     rank, num_processes = accelerator.process_index, accelerator.num_processes
     device = accelerator.device if num_processes > 1 else torch.device(args.device)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")

@@ -118,6 +118,14 @@ def test_packed_batch_restarts_positions_and_masks_labels():
     assert batch["cu_seq_lens_q"].tolist() == [0, 3, 6, 8, 10]
 
 
+def test_validation_reads_exactly_eval_tokens():
+    """--eval-tokens that is no multiple of --seq-len ends inside a row: the last row is cut there."""
+    stream = torch.arange(3, 23).numpy()
+    batches = train.validation_batches(stream, 4, 2, 5, torch.device("cpu"))
+    assert [batch["input_ids"].tolist() for batch in batches] == [[[3, 4, 5, 6, 7]]]
+    assert sum(batch["input_ids"].shape[1] for batch in train.validation_batches(stream, 4, 2, 0, "cpu")) == 20
+
+
 @pytest.mark.parametrize("attn_type", ATTN_TYPES)
 @torch.no_grad()
 def test_packed_training_batch_equals_each_sequence_alone(corpus, data_dir, attn_type):
@@ -322,6 +330,9 @@ def error_of(argv, capsys):
     (["--head-dim", "300"], "no valid ResLinConfig: head_dim must be an integer between 1 and 256"),
     (["--compile", "nonsense"], "--compile nonsense: torch.compile has no such backend"),
     (["--residual-clip", "0"], "no valid ResLinConfig: residual_clip"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number, got nan"),
+    (["--eval-tokens", "1"], "--eval-tokens 1 holds only the split's first <bos>"),
     (["--device", "foo"], "--device foo: not a device"),
     (["--kernel-backend", "triton", "--device", "cpu"], "--kernel-backend triton runs on CUDA"),
 ])
@@ -352,6 +363,9 @@ def test_bad_runs_fail_clearly(corpus, data_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert "has 0 UTF-8 file(s)" in run("--max-steps", "1", corpus=tmp_path / "empty")
     assert "must not be the repository itself" in run("--max-steps", "1", out_dir=train.REPO)
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "README.md").write_text("someone's")
+    assert "holds files (README.md) but no run to resume" in run("--max-steps", "1", out_dir=tmp_path / "used")
     assert "holds no checkpoint" in run("--max-steps", "1", "--resume")
     (tmp_path / "out" / train.CHECKPOINT).parent.mkdir()
     (tmp_path / "out" / train.CHECKPOINT).write_text("not a checkpoint")
