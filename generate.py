@@ -38,6 +38,9 @@ def model_source(name):
         if not (path / "config.json").is_file():
             fail(f"--model {name}: the folder holds no config.json (give a folder that train.py or "
                  f"save_pretrained wrote, or a Hub id)")
+        if not any((path / file).is_file() for file in ("tokenizer.json", "tokenizer_config.json")):
+            fail(f"--model {name}: the folder holds a model but no tokenizer (tokenizer.json, tokenizer_config.json): "
+                 f"save the tokenizer beside it (tokenizer.save_pretrained)")
         return str(path)
     if path.exists():
         fail(f"--model {name}: not a folder (give a folder that train.py or save_pretrained wrote, or a Hub id)")
@@ -80,6 +83,11 @@ def main(argv=None):
         parser.error(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here")
+    try:  # a GPU index past the last, or a kind of device this PyTorch was not built for (mps, xpu, ...)
+        torch.empty(0, device=device)
+    except Exception as error:  # torch raises RuntimeError, AssertionError or NotImplementedError here
+        reason = str(error).splitlines()[0].split(". ")[0]
+        parser.error(f"--device {args.device}: this PyTorch cannot use it here ({reason})")
     source = model_source(args.model)
 
     torch.manual_seed(args.seed)

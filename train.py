@@ -188,6 +188,14 @@ def parse_args(argv=None):
         parser.error(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        parser.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
+    try:  # a kind of device this PyTorch was not built for (mps, xpu, ...); not CUDA, which would start a context
+        if device.type != "cuda":
+            torch.empty(0, device=device)
+    except Exception as error:  # torch raises RuntimeError, AssertionError or NotImplementedError here
+        reason = str(error).splitlines()[0].split(". ")[0]
+        parser.error(f"--device {args.device}: this PyTorch cannot use it here ({reason})")
     if args.kernel_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error(f"--kernel-backend triton runs on CUDA (or in Triton's interpreter, TRITON_INTERPRET=1), "
                      f"not on --device {args.device}: use auto or torch")
@@ -676,7 +684,8 @@ def train(args, argv, accelerator):
         fail(f"{args.out_dir} already holds a run ({CHECKPOINT}): pass --resume to continue it, or choose "
              f"another --out-dir")
     # (A --data-dir inside --out-dir is no reason to refuse: the main process may be building it already.)
-    found = sorted(path.name for path in (args.out_dir.iterdir() if checkpoint is None and args.out_dir.is_dir() else ())
+    found = sorted(path.name
+                   for path in (args.out_dir.iterdir() if checkpoint is None and args.out_dir.is_dir() else ())
                    if not args.data_dir.resolve().is_relative_to(path.resolve()))
     if found:
         fail(f"--out-dir {args.out_dir} holds files ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}) but no "

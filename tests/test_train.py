@@ -8,6 +8,7 @@ checkpoint reproduces it bit for bit.
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -211,6 +212,20 @@ def test_main_job_streams_a_completion_of_a_trained_folder(trained_run):
     assert "<eos>" not in result.stdout and " new tokens in " in result.stderr
 
 
+def test_main_job_refuses_an_unusable_device_or_a_folder_without_tokenizer(trained_run, tmp_path, capsys):
+    """generate.py: one line naming the flag, not a traceback from inside torch or the tokenizer."""
+    import generate
+
+    without_tokenizer = tmp_path / "model_only"
+    without_tokenizer.mkdir()
+    shutil.copy(trained_run[0] / "config.json", without_tokenizer)
+    for flags, message in ((["--device", "xla"], "--device xla: this PyTorch cannot use it here"),
+                           (["--model", str(without_tokenizer)], "the folder holds a model but no tokenizer")):
+        with pytest.raises(SystemExit):
+            generate.main(["def f():", "--model", str(trained_run[0]), *flags])
+        assert message in capsys.readouterr().err
+
+
 def test_resumed_run_reproduces_the_uninterrupted_run(corpus, data_dir, trained_run, tmp_path, monkeypatch):
     reference_dir, reference = trained_run
     argv = tiny_run_args(corpus, data_dir, tmp_path / "out", *REFERENCE_RUN)
@@ -335,6 +350,7 @@ def error_of(argv, capsys):
     (["--eval-tokens", "1"], "--eval-tokens 1 holds only the split's first <bos>"),
     (["--device", "foo"], "--device foo: not a device"),
     (["--kernel-backend", "triton", "--device", "cpu"], "--kernel-backend triton runs on CUDA"),
+    (["--device", "xla"], "--device xla: this PyTorch cannot use it here"),  # a device kind no test machine has
 ])
 def test_bad_flags_fail_clearly(corpus, data_dir, tmp_path, capsys, monkeypatch, extra, message):
     """Before the data's preparation (tokenizer training and tokenizing take minutes on a real corpus)."""
