@@ -289,6 +289,11 @@ def prepare_data(args):
     else:
         print(f"data: cached in {folder}")
     meta = json.loads((folder / "meta.json").read_text())
+    # This scan's, not the cache's: the cache's key covers the UTF-8 files only.
+    meta["skipped_not_utf8"] = skipped
+    if skipped:
+        print(f"data: {len(skipped)} file(s) left out for not being UTF-8: {', '.join(skipped[:3])}"
+              + (", ..." if len(skipped) > 3 else ""))
     tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
     streams = {split: np.fromfile(folder / f"{split}.bin", dtype=np.uint32) for split in ("train", "validation")}
     return tokenizer, streams, meta

@@ -266,6 +266,17 @@ def test_cached_data_is_reused(corpus, data_dir, monkeypatch):
     assert all((streams[split] == built[1][split]).all() for split in streams)
 
 
+def test_files_left_out_are_those_of_this_corpus_scan(tmp_path, capsys):
+    """A file that is not UTF-8, added after the cache was built, changes no cached data but is counted."""
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text(f"{name} = 1\n")
+    args = train.parse_args(tiny_run_args(tmp_path, tmp_path / "data", "unused", "--max-steps", "1"))
+    assert train.prepare_data(args)[2]["skipped_not_utf8"] == []
+    (tmp_path / NOT_UTF8).write_bytes("caf\xe9 = 1\n".encode("latin-1"))
+    assert train.prepare_data(args)[2]["skipped_not_utf8"] == [NOT_UTF8]
+    assert f"data: 1 file(s) left out for not being UTF-8: {NOT_UTF8}" in capsys.readouterr().out
+
+
 def test_gradient_checkpointing_changes_no_loss(corpus, data_dir, tmp_path):
     losses = []
     for extra in ([], ["--gradient-checkpointing"]):
