@@ -63,6 +63,12 @@ def load(source, device, dtype):
     return model.to(device).eval(), tokenizer
 
 
+def encode_prompt(tokenizer, prompt):
+    """The prompt's token ids. It is text: a special token's spelling in it ("<eos>" in code about
+    tokenizers) is characters, as train.py tokenized the training files, not the token."""
+    return tokenizer(prompt, split_special_tokens=True).input_ids
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Complete a prompt with a ResLin model, streaming the new tokens.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -96,7 +102,7 @@ def main(argv=None):
     print(f"ResLin {config.attn_type}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, on {args.device}",
           file=sys.stderr)
-    input_ids = torch.tensor([tokenizer(args.prompt).input_ids], device=args.device)
+    input_ids = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=args.device)
     print(args.prompt, end="", flush=True)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()

@@ -226,6 +226,15 @@ def test_main_job_refuses_an_unusable_device_or_a_folder_without_tokenizer(train
         assert message in capsys.readouterr().err
 
 
+def test_main_job_reads_a_special_token_spelled_in_the_prompt_as_text(trained_run):
+    import generate
+
+    tokenizer = AutoTokenizer.from_pretrained(trained_run[0], trust_remote_code=True)
+    ids = generate.encode_prompt(tokenizer, CORPUS["package/special.py"])
+    assert ids[0] == train.BOS_ID and train.EOS_ID not in ids
+    assert ids[1:] == train.encode_documents(tokenizer, [CORPUS["package/special.py"]])[1:-1].tolist()
+
+
 def test_resumed_run_reproduces_the_uninterrupted_run(corpus, data_dir, trained_run, tmp_path, monkeypatch):
     reference_dir, reference = trained_run
     argv = tiny_run_args(corpus, data_dir, tmp_path / "out", *REFERENCE_RUN)
