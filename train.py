@@ -291,6 +291,7 @@ def prepare_data(args):
     meta = json.loads((folder / "meta.json").read_text())
     # This scan's, not the cache's: the cache's key covers the UTF-8 files only.
     meta["skipped_not_utf8"] = skipped
+    meta["cache"] = folder.name  # names the corpus's content and the data settings: what --resume checks
     if skipped:
         print(f"data: {len(skipped)} file(s) left out for not being UTF-8: {', '.join(skipped[:3])}"
               + (", ..." if len(skipped) > 3 else ""))
@@ -706,6 +707,10 @@ def train(args, argv, accelerator):
     with accelerator.main_process_first():
         tokenizer, streams, meta = prepare_data(args)
         model = build_model(args, len(tokenizer)).to(device)
+    if checkpoint is not None and meta["cache"] != checkpoint["metrics"]["data"].get("cache", meta["cache"]):
+        fail(f"--resume: the files of --corpus {args.corpus} changed since the checkpoint's run (its data: "
+             f"{checkpoint['metrics']['data']['cache']}, now: {meta['cache']}): a new tokenizer would meet the trained "
+             f"weights; restore the corpus or train a new run")
     for split, figures in meta["splits"].items():
         print(f"data: {split}: {figures['files']} files, {figures['bytes']:,} bytes, {figures['tokens']:,} tokens "
               f"({figures['bytes'] / figures['tokens']:.2f} bytes per token)")
