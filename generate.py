@@ -99,7 +99,9 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model, tokenizer = load(source, args.device, getattr(torch, args.dtype))
     config = model.config
-    print(f"ResLin {config.attn_type}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+    # Any causal LM loads; the mixer is named for a ResLin model only.
+    name = f"ResLin {config.attn_type}" if config.model_type == "reslin" else config.model_type
+    print(f"{name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, on {args.device}",
           file=sys.stderr)
     input_ids = torch.tensor([encode_prompt(tokenizer, args.prompt)], device=args.device)

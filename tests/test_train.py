@@ -235,6 +235,21 @@ def test_main_job_reads_a_special_token_spelled_in_the_prompt_as_text(trained_ru
     assert ids[1:] == train.encode_documents(tokenizer, [CORPUS["package/special.py"]])[1:-1].tolist()
 
 
+def test_main_job_completes_with_another_causal_lm(trained_run, tmp_path, capsys):
+    """generate.py --model with a folder of another architecture (here GPT-2) completes the prompt."""
+    import generate
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(trained_run[0], trust_remote_code=True)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, bos_token_id=train.BOS_ID,
+                        eos_token_id=train.EOS_ID, pad_token_id=train.PAD_ID)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    generate.main(["def f():", "--model", str(tmp_path), "--max-new-tokens", "2", "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert captured.out.startswith("def f():") and "gpt2: 1 layers" in captured.err
+
+
 def test_resumed_run_reproduces_the_uninterrupted_run(corpus, data_dir, trained_run, tmp_path, monkeypatch):
     reference_dir, reference = trained_run
     argv = tiny_run_args(corpus, data_dir, tmp_path / "out", *REFERENCE_RUN)
