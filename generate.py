@@ -65,8 +65,14 @@ def load(source, device, dtype):
 
 def encode_prompt(tokenizer, prompt):
     """The prompt's token ids. It is text: a special token's spelling in it ("<eos>" in code about
-    tokenizers) is characters, as train.py tokenized the training files, not the token."""
-    return tokenizer(prompt, split_special_tokens=True).input_ids
+    tokenizers) is characters, as train.py tokenized the training files, not the token. An empty
+    prompt of a tokenizer that adds no <bos> itself starts from its <bos>."""
+    ids = tokenizer(prompt, split_special_tokens=True).input_ids
+    if ids:
+        return ids
+    if tokenizer.bos_token_id is None:
+        fail("the prompt is empty and the tokenizer has no <bos> token to start from: give a prompt")
+    return [tokenizer.bos_token_id]
 
 
 def main(argv=None):

@@ -248,6 +248,9 @@ def test_main_job_completes_with_another_causal_lm(trained_run, tmp_path, capsys
     generate.main(["def f():", "--model", str(tmp_path), "--max-new-tokens", "2", "--device", "cpu"])
     captured = capsys.readouterr()
     assert captured.out.startswith("def f():") and "gpt2: 1 layers" in captured.err
+    # A tokenizer that adds no <bos> (as GPT-2's): an empty prompt starts from its <bos>.
+    tokenizer.backend_tokenizer.post_processor = None
+    assert tokenizer("").input_ids == [] and generate.encode_prompt(tokenizer, "") == [train.BOS_ID]
 
 
 def test_resumed_run_reproduces_the_uninterrupted_run(corpus, data_dir, trained_run, tmp_path, monkeypatch):
