@@ -85,6 +85,8 @@ PAD_ID, BOS_ID, EOS_ID = range(3)
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, then the special tokens
 DATA_FORMAT = 1  # part of the cache key: bump it when the cached data's layout or meaning changes
 CHECKPOINT = "checkpoint.pt"
+# Files of the model folder a run writes at its end (metrics.json also with every checkpoint).
+MODEL_FOLDER_FILES = ("config.json", "model.safetensors", "README.md", "metrics.json")
 # What a resumed run may change; every other argument must be the checkpoint's, or the resumed
 # run would not continue the same run.
 CHANGEABLE_ON_RESUME = {"resume", "max_steps", "time_budget", "eval_interval", "eval_tokens", "save_interval",
@@ -689,14 +691,12 @@ def train(args, argv, accelerator):
     if checkpoint is None and checkpoint_path.exists():
         fail(f"{args.out_dir} already holds a run ({CHECKPOINT}): pass --resume to continue it, or choose "
              f"another --out-dir")
-    # (A --data-dir inside --out-dir is no reason to refuse: the main process may be building it already.)
-    found = sorted(path.name
-                   for path in (args.out_dir.iterdir() if checkpoint is None and args.out_dir.is_dir() else ())
-                   if not args.data_dir.resolve().is_relative_to(path.resolve()))
+    # A model folder (one whose checkpoint was deleted, or one that save_pretrained wrote) that this run's
+    # would replace; other files, such as a benchmark's records, may share the folder.
+    found = [name for name in MODEL_FOLDER_FILES if checkpoint is None and (args.out_dir / name).exists()]
     if found:
-        fail(f"--out-dir {args.out_dir} holds files ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}) but no "
-             f"run to resume ({CHECKPOINT}): the model folder written there would replace them; choose a new or empty "
-             f"folder")
+        fail(f"--out-dir {args.out_dir} holds a model folder ({', '.join(found)}) but no run to resume ({CHECKPOINT}): "
+             f"this run's model folder would replace it; choose another --out-dir")
     rank, num_processes = accelerator.process_index, accelerator.num_processes
     device = accelerator.device if num_processes > 1 else torch.device(args.device)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")

@@ -419,7 +419,7 @@ def test_bad_runs_fail_clearly(corpus, data_dir, tmp_path, capsys):
     assert "must not be the repository itself" in run("--max-steps", "1", out_dir=train.REPO)
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "README.md").write_text("someone's")
-    assert "holds files (README.md) but no run to resume" in run("--max-steps", "1", out_dir=tmp_path / "used")
+    assert "holds a model folder (README.md) but no run to resume" in run("--max-steps", "1", out_dir=tmp_path / "used")
     assert "holds no checkpoint" in run("--max-steps", "1", "--resume")
     (tmp_path / "out" / train.CHECKPOINT).parent.mkdir()
     (tmp_path / "out" / train.CHECKPOINT).write_text("not a checkpoint")
