@@ -50,6 +50,26 @@ def model_source(name):
     fail(f"--model {name}: no such folder" + ("" if path.is_absolute() else f" (looked for {os.path.abspath(path)})"))
 
 
+def check_device(parser, name):
+    """--device `name` as a torch.device this machine and this PyTorch can use, or the parser's
+    error naming what is wrong (train.py checks its --device here too)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        parser.error(f"--device {name}: not a device (cpu, cuda, cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {name}: CUDA is not available here")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        parser.error(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
+    try:  # a kind of device this PyTorch was not built for (mps, xpu, ...); not CUDA, which would start a context
+        if device.type != "cuda":
+            torch.empty(0, device=device)
+    except Exception as error:  # torch raises RuntimeError, AssertionError or NotImplementedError here
+        reason = str(error).splitlines()[0].split(". ")[0]
+        parser.error(f"--device {name}: this PyTorch cannot use it here ({reason})")
+    return device
+
+
 def load(source, device, dtype):
     try:
         model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True, dtype=dtype)
@@ -89,17 +109,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available here")
-    try:  # a GPU index past the last, or a kind of device this PyTorch was not built for (mps, xpu, ...)
-        torch.empty(0, device=device)
-    except Exception as error:  # torch raises RuntimeError, AssertionError or NotImplementedError here
-        reason = str(error).splitlines()[0].split(". ")[0]
-        parser.error(f"--device {args.device}: this PyTorch cannot use it here ({reason})")
+    check_device(parser, args.device)
     source = model_source(args.model)
 
     torch.manual_seed(args.seed)

@@ -77,6 +77,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from configuration_reslin import ATTN_PRESETS, KERNEL_BACKENDS
+from generate import check_device
 
 REPO = Path(__file__).resolve().parent
 # Ids 0, 1, 2 in this order, as the repository's config.json has them (pad, bos, eos).
@@ -184,20 +185,7 @@ def parse_args(argv=None):
     if args.compile and args.compile not in torch._dynamo.list_backends(exclude_tags=()):
         parser.error(f"--compile {args.compile}: torch.compile has no such backend (it has "
                      f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))})")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available here")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        parser.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
-    try:  # a kind of device this PyTorch was not built for (mps, xpu, ...); not CUDA, which would start a context
-        if device.type != "cuda":
-            torch.empty(0, device=device)
-    except Exception as error:  # torch raises RuntimeError, AssertionError or NotImplementedError here
-        reason = str(error).splitlines()[0].split(". ")[0]
-        parser.error(f"--device {args.device}: this PyTorch cannot use it here ({reason})")
+    device = check_device(parser, args.device)
     if args.kernel_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error(f"--kernel-backend triton runs on CUDA (or in Triton's interpreter, TRITON_INTERPRET=1), "
                      f"not on --device {args.device}: use auto or torch")
