@@ -748,6 +748,9 @@ def train(args, argv, accelerator):
         step, seconds, metrics = checkpoint["step"], checkpoint["train_seconds"], checkpoint["metrics"]
         metrics["commands"].append(command)
         print(f"resumed from {checkpoint_path} at step {step}")
+        if run_progress(args, step, seconds) >= 1:
+            print(f"note: step {step} already ends the run by --max-steps / --time-budget: no step trains; the final "
+                  f"validation runs and the model is written again (raise them to train on)")
     metrics.update(device=device_description(device, accelerator), precision="bf16 autocast" if bf16 else "fp32")
     args.out_dir.mkdir(parents=True, exist_ok=True)
 

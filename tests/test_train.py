@@ -253,7 +253,7 @@ def test_main_job_completes_with_another_causal_lm(trained_run, tmp_path, capsys
     assert tokenizer("").input_ids == [] and generate.encode_prompt(tokenizer, "") == [train.BOS_ID]
 
 
-def test_resumed_run_reproduces_the_uninterrupted_run(corpus, data_dir, trained_run, tmp_path, monkeypatch):
+def test_resumed_run_reproduces_the_uninterrupted_run(corpus, data_dir, trained_run, tmp_path, monkeypatch, capsys):
     reference_dir, reference = trained_run
     argv = tiny_run_args(corpus, data_dir, tmp_path / "out", *REFERENCE_RUN)
     save_checkpoint = train.save_checkpoint
@@ -277,6 +277,11 @@ def test_resumed_run_reproduces_the_uninterrupted_run(corpus, data_dir, trained_
     weights = load_file(tmp_path / "out" / "model.safetensors")
     for name, tensor in load_file(reference_dir / "model.safetensors").items():
         assert torch.equal(weights[name], tensor), name
+
+    capsys.readouterr()
+    again = train.main(argv + ["--resume"])  # a finished run: nothing to train, and it says so
+    assert "no step trains" in capsys.readouterr().out
+    assert again["train"] == resumed["train"] and again["final_validation"] == resumed["final_validation"]
 
 
 def test_cached_data_is_reused(corpus, data_dir, monkeypatch):
