@@ -75,17 +75,23 @@ def test_each_rule_runs_into_its_own_folder_and_a_rerun_skips_finished_runs(tmp_
     assert "| kla | missing | missing | missing | missing 0 | " in table  # the stub trained nothing
 
 
+def stop_right_after(monkeypatch, module, name):
+    """`module.name` runs, then raises KeyboardInterrupt: as if the GPU call's time ran out right
+    after it saved a run's state."""
+    save = getattr(module, name)
+
+    def save_then_stop(*args):
+        save(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, name, save_then_stop)
+
+
 def test_a_stopped_lm_run_resumes_from_its_checkpoint(tmp_path, corpus, monkeypatch):
     results = tmp_path / "results"
     argv = tiny_argv(results, corpus, "--parts", "lm", "--rules", "gdn", f"--train-args={TINY_TRAIN} --save-interval 2",
                      steps=4)
-    save_checkpoint = compare_rules.train.save_checkpoint
-
-    def save_then_stop(*args):
-        save_checkpoint(*args)
-        raise KeyboardInterrupt  # as if the GPU call's time ran out right after step 2's checkpoint
-
-    monkeypatch.setattr(compare_rules.train, "save_checkpoint", save_then_stop)
+    stop_right_after(monkeypatch, compare_rules.train, "save_checkpoint")  # step 2's checkpoint
     with pytest.raises(KeyboardInterrupt):
         compare_rules.main(argv)
     monkeypatch.undo()
@@ -389,13 +395,7 @@ def test_a_stopped_mqar_run_counts_as_started_and_resumes_from_its_saved_state(t
     results = tmp_path / "results"
     argv = ["--results", str(results), "--parts", "mqar", "--rules", "gdn",
             f"--mqar-args={TINY_MQAR} --eval-interval 2"]
-    save_partial_state = compare_rules.mqar.save_partial_state
-
-    def save_then_stop(*args):
-        save_partial_state(*args)
-        raise KeyboardInterrupt  # as if the GPU call's time ran out right after step 2's validation
-
-    monkeypatch.setattr(compare_rules.mqar, "save_partial_state", save_then_stop)
+    stop_right_after(monkeypatch, compare_rules.mqar, "save_partial_state")  # step 2's validation
     with pytest.raises(KeyboardInterrupt):
         compare_rules.main(argv)
     monkeypatch.undo()
