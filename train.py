@@ -58,6 +58,7 @@ import math
 import os
 import platform
 import random
+import re
 import shlex
 import shutil
 import sys
@@ -78,6 +79,7 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from configuration_reslin import ATTN_PRESETS, KERNEL_BACKENDS
 from generate import check_device
+from modeling_reslin import LEGACY_KEYS
 
 REPO = Path(__file__).resolve().parent
 # Ids 0, 1, 2 in this order, as the repository's config.json has them (pad, bos, eos).
@@ -517,6 +519,22 @@ def load_checkpoint(path, args):
     if changed:
         fail("--resume continues a run with its own settings; these differ from the checkpoint's: "
              + ", ".join(changed))
+    return with_current_names(checkpoint)
+
+
+def with_current_names(checkpoint):
+    """A checkpoint saved under earlier parameter names (LEGACY_KEYS: the input embedding was
+    `model.embeddings`) with today's, in the weights and in the optimizer's state keyed by them."""
+    def current(name):
+        for pattern, replacement in LEGACY_KEYS.items():
+            name = re.sub(pattern, replacement, name)
+        return name
+
+    optimizer = checkpoint["optimizer"]
+    checkpoint["model"] = {current(name): value for name, value in checkpoint["model"].items()}
+    optimizer["state"] = {current(name): value for name, value in optimizer.get("state", {}).items()}
+    for group in optimizer.get("param_groups", []):
+        group["params"] = [current(name) for name in group["params"]]
     return checkpoint
 
 

@@ -253,7 +253,9 @@ def test_main_job_completes_with_another_causal_lm(trained_run, tmp_path, capsys
     assert tokenizer("").input_ids == [] and generate.encode_prompt(tokenizer, "") == [train.BOS_ID]
 
 
-def test_resumed_run_reproduces_the_uninterrupted_run(corpus, data_dir, trained_run, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("legacy_names", [False, True], ids=["", "checkpoint-under-earlier-names"])
+def test_resumed_run_reproduces_the_uninterrupted_run(corpus, data_dir, trained_run, tmp_path, monkeypatch, capsys,
+                                                       legacy_names):
     reference_dir, reference = trained_run
     argv = tiny_run_args(corpus, data_dir, tmp_path / "out", *REFERENCE_RUN)
     save_checkpoint = train.save_checkpoint
@@ -268,6 +270,16 @@ def test_resumed_run_reproduces_the_uninterrupted_run(corpus, data_dir, trained_
     monkeypatch.undo()
     with pytest.raises(SystemExit, match="already holds a run"):
         train.main(argv)
+    if legacy_names:  # as saved before the input embedding took transformers' name
+        path = tmp_path / "out" / train.CHECKPOINT
+        checkpoint = torch.load(path, weights_only=True)
+        earlier = lambda name: name.replace("model.embed_tokens.", "model.embeddings.")
+        assert any(name.startswith("model.embed_tokens.") for name in checkpoint["optimizer"]["state"])
+        checkpoint["model"] = {earlier(name): value for name, value in checkpoint["model"].items()}
+        checkpoint["optimizer"]["state"] = {earlier(name): value for name, value in checkpoint["optimizer"]["state"].items()}
+        for group in checkpoint["optimizer"]["param_groups"]:
+            group["params"] = [earlier(name) for name in group["params"]]
+        torch.save(checkpoint, path)
     resumed = train.main(argv + ["--resume"])
 
     assert [entry["loss"] for entry in resumed["train"]] == [entry["loss"] for entry in reference["train"]]
