@@ -124,6 +124,11 @@ def parse_args(argv=None):
     model.add_argument("--intermediate-size", type=int, default=None, help="MLP width (None: the config's default)")
     model.add_argument("--tie-word-embeddings", action="store_true", help="share lm_head with the input embeddings")
     model.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS, help="the config's kernel_backend")
+    model.add_argument("--full-attention-layers", type=int, nargs="+", default=None, metavar="INDEX",
+                       help="blocks (counted from 0) that use softmax attention instead of the linear mixer: "
+                            "a hybrid model (the config's layer_types)")
+    model.add_argument("--sliding-window", type=int, default=None,
+                       help="full attention layers see only the last N tokens (the config's sliding_window)")
     model.add_argument("--residual-clip", type=float, default=1.0,
                        help="the residual rules' clip c, r = clip(v - S^T k, -c, c) (the config's residual_clip)")
 
@@ -180,6 +185,12 @@ def parse_args(argv=None):
     if args.eval_tokens == 1:
         parser.error("--eval-tokens 1 holds only the split's first <bos>, which nothing predicts: give 0 (all) or "
                      "at least 2")
+    outside = sorted(set(args.full_attention_layers or ()) - set(range(args.layers)))
+    if outside:
+        parser.error(f"--full-attention-layers {' '.join(map(str, outside))}: the blocks are numbered 0 to "
+                     f"{args.layers - 1} (--layers {args.layers})")
+    if args.sliding_window is not None and not args.full_attention_layers:
+        parser.error("--sliding-window applies to full attention layers: give --full-attention-layers too")
     if args.time_budget is not None and not args.time_budget > 0:
         parser.error(f"--time-budget must be > 0 minutes, got {args.time_budget}")
     if not args.lr > 0 or not 0 <= args.min_lr_ratio <= 1 or not 0 <= args.beta2 < 1:
@@ -408,7 +419,9 @@ def model_config(args, vocab_size):
     """The model's config from the flags, through the remote-code loader as a Hub user gets it;
     ValueError names a bad flag's field."""
     config_class = get_class_from_dynamic_module("configuration_reslin.ResLinConfig", str(REPO))
-    return config_class(
+    full_attention = set(args.full_attention_layers or ())
+    layer_types = ["full_attention" if index in full_attention else "linear_attention" for index in range(args.layers)]
+    return config_class(layer_types=layer_types, sliding_window=args.sliding_window,
         name_or_path=str(REPO), vocab_size=vocab_size, attn_type=args.attn_type, hidden_size=args.hidden_size,
         num_hidden_layers=args.layers, num_heads=args.heads, head_dim=args.head_dim,
         intermediate_size=args.intermediate_size, tie_word_embeddings=args.tie_word_embeddings,
@@ -566,6 +579,10 @@ def model_card(args, config, metrics):
     meta, final = metrics["data"], metrics["final_validation"]
     train, validation = meta["splits"]["train"], meta["splits"]["validation"]
     commands = "\n".join(metrics["commands"])
+    full_attention = [index for index, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    hybrid = (f"; softmax attention in blocks {', '.join(map(str, full_attention))}"
+              + (f", a window of {config.sliding_window} tokens" if config.sliding_window else "")
+              if full_attention else "")
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
@@ -578,7 +595,7 @@ tags:
 # ResLin {config.attn_type} ({metrics['parameters']:,} parameters) pretrained on {meta['corpus_name']}
 
 A {config.num_hidden_layers}-layer ResLin causal LM (`attn_type="{config.attn_type}"`, hidden size
-{config.hidden_size}, {config.num_heads} heads of {config.head_dim}) trained from scratch by `train.py`.
+{config.hidden_size}, {config.num_heads} heads of {config.head_dim}{hybrid}) trained from scratch by `train.py`.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -360,6 +360,16 @@ def test_compiled_training_gives_the_eager_losses(tmp_path, capsys, monkeypatch)
     assert "compiled (aot_eager)" in capsys.readouterr().out
 
 
+def test_hybrid_run_trains_saves_and_loads_its_softmax_attention_layers(corpus, data_dir, tmp_path):
+    out_dir = tmp_path / "out"
+    metrics = train.main(tiny_run_args(corpus, data_dir, out_dir, "--max-steps", "2", "--full-attention-layers", "1",
+                                       "--sliding-window", "16"))
+    assert all(math.isfinite(entry["loss"]) for entry in metrics["train"])
+    model = AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)
+    assert model.config.layer_types == ["linear_attention", "full_attention"] and model.config.sliding_window == 16
+    assert "softmax attention in blocks 1, a window of 16 tokens" in (out_dir / "README.md").read_text()
+
+
 def test_time_budget_ends_the_run(corpus, data_dir, tmp_path):
     metrics = train.main(tiny_run_args(corpus, data_dir, tmp_path / "out", "--time-budget", "1e-4"))
     assert metrics["step"] >= 1 and "final_validation" in metrics
@@ -400,6 +410,9 @@ def error_of(argv, capsys):
     (["--head-dim", "300"], "no valid ResLinConfig: head_dim must be an integer between 1 and 256"),
     (["--compile", "nonsense"], "--compile nonsense: torch.compile has no such backend"),
     (["--residual-clip", "0"], "no valid ResLinConfig: residual_clip"),
+    (["--full-attention-layers", "0", "2"], "--full-attention-layers 2: the blocks are numbered 0 to 1"),
+    (["--sliding-window", "8"], "--sliding-window applies to full attention layers"),
+    (["--full-attention-layers", "0", "--sliding-window", "0"], "no valid ResLinConfig: sliding_window"),
     (["--lr", "inf"], "--lr must be a finite number, got inf"),
     (["--weight-decay", "nan"], "--weight-decay must be a finite number, got nan"),
     (["--eval-tokens", "1"], "--eval-tokens 1 holds only the split's first <bos>"),
