@@ -11,7 +11,9 @@ autograd runs them: the training forward (chunk_forward with training=True, at t
 chunk size) and chunk_backward from what it kept (T^-1, the kept segment starts; the recomputed
 forward included). It prints the kernels' total and the slowest kernels, in microseconds per
 call, and the call's own time (CUDA events, as bench_forward.py takes it): below the kernels'
-total where kernels overlap (on two streams), above it where the host is the slower side.
+total where kernels overlap (on two streams), above it where the host is the slower side, and
+the host's time to issue it (`host`, calls queued without waiting): near the call's time, the
+host bounds it. --rounds 2 times every variant a second time in reverse order.
 With --check it also compares every variant's outputs and gradients with the first variant's
 (the largest relative RMS difference; inf where one is not finite), so that a faster variant is
 known to compute the same thing on that GPU before it is worth landing, and gives each variant's
@@ -42,7 +44,7 @@ import tempfile
 import torch
 
 from bench_forward import parse_shape
-from common import DEVICE, REPO, RULES, median_ms, print_header, rule_inputs
+from common import DEVICE, REPO, RULES, host_ms, median_ms, print_header, rule_inputs
 from kernel_times import kernel_times
 from kernels_reslin_torch import chunk_reslin
 
@@ -139,6 +141,9 @@ def main(argv=None):
     parser.add_argument("--backward", action="store_true", help="also chunk_backward")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=5, help="kernels named per call")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time the variants this many times a rule and shape, every second round in "
+                             "reverse order (a variant's place in the run should not change its figures)")
     parser.add_argument("--check", action="store_true",
                         help="also every variant's outputs (and gradients) against the first variant's, "
                              "and their error against the chunked PyTorch reference in fp32")
@@ -165,14 +170,16 @@ def main(argv=None):
             chunk_args, do = chunk_arguments(rule, B, T, args.heads, args.dim)
             print(f"\n{rule} {B}x{T}", flush=True)
             reference = reference_fp32 = None
-            for name, kernels in variants:
+            rounds = [variants if number % 2 == 0 else variants[::-1] for number in range(args.rounds)]
+            for number, (name, kernels) in enumerate(pair for round_ in rounds for pair in round_):
                 try:
                     calls = variant_calls(kernels, chunk_args, do, args.backward)
                     for label, call in calls.items():
                         times = kernel_times(call, args.repeats)
                         print(f"  {name:{width}s} {label:8s} {summary(times, args.top)}  call "
-                              f"{1e3 * median_ms(call, args.repeats):.1f} us", flush=True)
-                    if args.check:
+                              f"{1e3 * median_ms(call, args.repeats):.1f} us  host "
+                              f"{1e3 * host_ms(call, args.repeats):.1f} us", flush=True)
+                    if args.check and number < len(variants):
                         tensors = results(calls)
                         if reference is None:
                             reference = (name, tensors)

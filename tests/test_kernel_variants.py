@@ -46,3 +46,17 @@ def test_check_tells_a_changed_kernel_from_a_copy(tmp_path, capsys):
     error = figures("error against the fp32 reference", ("now", "same", "wrong"))
     assert len(error["now"]) == 2 and max(error["now"] + error["same"]) < 1e-4
     assert len(error["wrong"]) == 2 and min(error["wrong"]) > 1e-2
+
+
+def test_rounds_time_every_variant_again_in_reverse_order(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import kernel_variants
+
+    (tmp_path / "copy").mkdir()
+    for path in REPO.glob("kernels_reslin_triton*.py"):
+        shutil.copy(path, tmp_path / "copy")
+    kernel_variants.main(["--rules", "sgla", "--shapes", "1x20", "--heads", "1", "--dim", "16", "--repeats", "1",
+                          "--rounds", "3", "--variant", f"now={REPO}", "--variant", f"copy={tmp_path / 'copy'}"])
+    timed = [line.split() for line in capsys.readouterr().out.splitlines() if " call " in line]
+    assert [line[0] for line in timed] == ["now", "copy", "copy", "now", "now", "copy"]
+    assert all(line[-3] == "host" and float(line[-2]) > 0 for line in timed)
