@@ -279,14 +279,20 @@ def token_byte_lengths(tokenizer):
     return lengths
 
 
-def prepare_data(args):
+def prepare_data(args, resumed_cache=None):
     """The tokenizer, the token streams of both splits and a description of the corpus, from the
-    cache under --data-dir when the corpus and the data settings are unchanged."""
+    cache under --data-dir when the corpus and the data settings are unchanged. `resumed_cache`:
+    the data cache's name of the run --resume continues, which the corpus must still give (checked
+    before a new cache is built, which takes minutes on a real corpus)."""
     documents, skipped = corpus_documents(args.corpus, args.pattern)
     key = hashlib.sha256(json.dumps([DATA_FORMAT, args.pattern, args.val_fraction, args.vocab_size]).encode())
     for relative, text in documents:
         key.update(relative.encode() + b"\0" + text.encode() + b"\0")
     folder = args.data_dir / f"{args.corpus.name}-v{args.vocab_size}-{key.hexdigest()[:16]}"
+    if resumed_cache is not None and folder.name != resumed_cache:
+        fail(f"--resume: the files of --corpus {args.corpus} changed since the checkpoint's run (its data: "
+             f"{resumed_cache}, now: {folder.name}): a new tokenizer would meet the trained weights; restore the "
+             f"corpus or train a new run")
     if not (folder / "meta.json").exists():
         build_data_cache(folder, documents, skipped, args)
     else:
@@ -728,12 +734,9 @@ def train(args, argv, accelerator):
     # The main process first: it builds the data cache and copies the model's code into the
     # remote-code module cache, then the others read them.
     with accelerator.main_process_first():
-        tokenizer, streams, meta = prepare_data(args)
+        tokenizer, streams, meta = prepare_data(
+            args, resumed_cache=None if checkpoint is None else checkpoint["metrics"]["data"].get("cache"))
         model = build_model(args, len(tokenizer)).to(device)
-    if checkpoint is not None and meta["cache"] != checkpoint["metrics"]["data"].get("cache", meta["cache"]):
-        fail(f"--resume: the files of --corpus {args.corpus} changed since the checkpoint's run (its data: "
-             f"{checkpoint['metrics']['data']['cache']}, now: {meta['cache']}): a new tokenizer would meet the trained "
-             f"weights; restore the corpus or train a new run")
     for split, figures in meta["splits"].items():
         print(f"data: {split}: {figures['files']} files, {figures['bytes']:,} bytes, {figures['tokens']:,} tokens "
               f"({figures['bytes'] / figures['tokens']:.2f} bytes per token)")

@@ -462,12 +462,14 @@ def test_bad_runs_fail_clearly(corpus, data_dir, tmp_path, capsys):
     assert "keyed by position, not by parameter name" in run("--max-steps", "1", "--resume")
 
 
-def test_resume_refuses_a_changed_corpus(corpus, tmp_path, capsys):
-    """Same flags, other files: the data cache would give a new tokenizer to the trained weights."""
+def test_resume_refuses_a_changed_corpus(corpus, tmp_path, capsys, monkeypatch):
+    """Same flags, other files: the data cache would give a new tokenizer to the trained weights.
+    Refused before that cache is built (minutes on a real corpus)."""
     shutil.copytree(corpus, tmp_path / "corpus")
     argv = tiny_run_args(tmp_path / "corpus", tmp_path / "data", tmp_path / "out", "--max-steps", "1")
     train.main(argv)
     (tmp_path / "corpus" / "new.py").write_text("x = 1\n")
+    monkeypatch.setattr(train, "build_data_cache", lambda *args: pytest.fail("a data cache was built"))
     assert "--resume: the files of --corpus" in error_of(argv + ["--max-steps", "2", "--resume"], capsys)
 
 
