@@ -127,12 +127,16 @@ def test_validation_reads_exactly_eval_tokens():
     assert sum(batch["input_ids"].shape[1] for batch in train.validation_batches(stream, 4, 2, 0, "cpu")) == 20
 
 
-@pytest.mark.parametrize("attn_type", ATTN_TYPES)
+HYBRID = ("--attn-type", "rdn", "--full-attention-layers", "1", "--sliding-window", "16")
+
+
+@pytest.mark.parametrize("model_flags", [("--attn-type", attn_type) for attn_type in ATTN_TYPES] + [HYBRID],
+                         ids=[*ATTN_TYPES, "hybrid"])
 @torch.no_grad()
-def test_packed_training_batch_equals_each_sequence_alone(corpus, data_dir, attn_type):
-    """A training batch's logits are those of each of its sequences run alone (no state or
-    convolution window crosses a document or row boundary), and so is its loss."""
-    args = train.parse_args(tiny_run_args(corpus, data_dir, "unused", "--max-steps", "1", "--attn-type", attn_type,
+def test_packed_training_batch_equals_each_sequence_alone(corpus, data_dir, model_flags):
+    """A training batch's logits are those of each of its sequences run alone (no state,
+    convolution window or attention crosses a document or row boundary), and so is its loss."""
+    args = train.parse_args(tiny_run_args(corpus, data_dir, "unused", "--max-steps", "1", *model_flags,
                                           "--seq-len", "48"))
     tokenizer, streams, _ = train.prepare_data(args)
     model = train.build_model(args, len(tokenizer)).eval()
@@ -362,8 +366,7 @@ def test_compiled_training_gives_the_eager_losses(tmp_path, capsys, monkeypatch)
 
 def test_hybrid_run_trains_saves_and_loads_its_softmax_attention_layers(corpus, data_dir, tmp_path):
     out_dir = tmp_path / "out"
-    metrics = train.main(tiny_run_args(corpus, data_dir, out_dir, "--max-steps", "2", "--full-attention-layers", "1",
-                                       "--sliding-window", "16"))
+    metrics = train.main(tiny_run_args(corpus, data_dir, out_dir, "--max-steps", "2", *HYBRID))
     assert all(math.isfinite(entry["loss"]) for entry in metrics["train"])
     model = AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)
     assert model.config.layer_types == ["linear_attention", "full_attention"] and model.config.sliding_window == 16
