@@ -79,7 +79,6 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from configuration_reslin import ATTN_PRESETS, KERNEL_BACKENDS
 from generate import check_device
-from modeling_reslin import LEGACY_KEYS
 
 REPO = Path(__file__).resolve().parent
 # Ids 0, 1, 2 in this order, as the repository's config.json has them (pad, bos, eos).
@@ -505,6 +504,7 @@ def full_training_state(model, optimizer):
 def load_training_state(model, optimizer, checkpoint):
     """The inverse of full_training_state, in every process from the whole checkpoint (FSDP keeps
     each process's shard of it)."""
+    checkpoint = with_current_names(checkpoint)
     set_state_dict(model, optimizer, model_state_dict=checkpoint["model"], optim_state_dict=checkpoint["optimizer"],
                    options=StateDictOptions(full_state_dict=True))
 
@@ -538,14 +538,18 @@ def load_checkpoint(path, args):
     if changed:
         fail("--resume continues a run with its own settings; these differ from the checkpoint's: "
              + ", ".join(changed))
-    return with_current_names(checkpoint)
+    return checkpoint
 
 
 def with_current_names(checkpoint):
-    """A checkpoint saved under earlier parameter names (LEGACY_KEYS: the input embedding was
-    `model.embeddings`) with today's, in the weights and in the optimizer's state keyed by them."""
+    """A checkpoint saved under earlier parameter names (the modeling file's LEGACY_KEYS: the input
+    embedding was `model.embeddings`) with today's, in the weights and in the optimizer's state
+    keyed by them. LEGACY_KEYS comes from the remote-code module the model was built from, which
+    train.py imports only through the loader (a second, direct import costs ~2 s at every start)."""
+    legacy_keys = get_class_from_dynamic_module("modeling_reslin.LEGACY_KEYS", str(REPO))
+
     def current(name):
-        for pattern, replacement in LEGACY_KEYS.items():
+        for pattern, replacement in legacy_keys.items():
             name = re.sub(pattern, replacement, name)
         return name
 
