@@ -143,6 +143,18 @@ def left_pad(rows, pad_id=0):
     return ids, mask
 
 
+def stop_right_after(monkeypatch, module, name):
+    """`module.name` runs, then raises KeyboardInterrupt: as if a run were stopped (the GPU call's
+    time ran out, say) right after it saved its state."""
+    save = getattr(module, name)
+
+    def save_then_stop(*args):
+        save(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, name, save_then_stop)
+
+
 @pytest.fixture
 def make_left_padded():
     """Factory: make_left_padded(rows, pad_id=0) -> (input_ids, attention_mask)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, stop_right_after
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # compare_rules imports its sibling mqar.py
 import compare_rules  # noqa: E402
@@ -73,18 +73,6 @@ def test_each_rule_runs_into_its_own_folder_and_a_rerun_skips_finished_runs(tmp_
     table = compare_rules.main(tiny_argv(results, corpus, "--rules", "gdn", "kla", "rdn"))
     assert calls == [("lm", "kla"), ("mqar", "kla")]
     assert "| kla | missing | missing | missing | missing 0 | " in table  # the stub trained nothing
-
-
-def stop_right_after(monkeypatch, module, name):
-    """`module.name` runs, then raises KeyboardInterrupt: as if the GPU call's time ran out right
-    after it saved a run's state."""
-    save = getattr(module, name)
-
-    def save_then_stop(*args):
-        save(*args)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(module, name, save_then_stop)
 
 
 def test_a_stopped_lm_run_resumes_from_its_checkpoint(tmp_path, corpus, monkeypatch):

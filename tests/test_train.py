@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, stop_right_after
 
 # Repetitive code, so that a tiny model learns it within a few dozen steps.
 CORPUS = {f"module_{i}.py": "".join(f"def add_{i}_{j}(a, b):\n    return a + b * {j}  # café\n\n" for j in range(40))
@@ -262,13 +262,7 @@ def test_resumed_run_reproduces_the_uninterrupted_run(corpus, data_dir, trained_
                                                        legacy_names):
     reference_dir, reference = trained_run
     argv = tiny_run_args(corpus, data_dir, tmp_path / "out", *REFERENCE_RUN)
-    save_checkpoint = train.save_checkpoint
-
-    def save_then_stop(*args):
-        save_checkpoint(*args)
-        raise KeyboardInterrupt  # as if stopped right after the checkpoint of step 10
-
-    monkeypatch.setattr(train, "save_checkpoint", save_then_stop)
+    stop_right_after(monkeypatch, train, "save_checkpoint")  # the checkpoint of step 10
     with pytest.raises(KeyboardInterrupt):
         train.main(argv)
     monkeypatch.undo()
