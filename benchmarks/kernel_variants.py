@@ -170,8 +170,8 @@ def main(argv=None):
             chunk_args, do = chunk_arguments(rule, B, T, args.heads, args.dim)
             print(f"\n{rule} {B}x{T}", flush=True)
             reference = reference_fp32 = None
-            rounds = [variants if number % 2 == 0 else variants[::-1] for number in range(args.rounds)]
-            for number, (name, kernels) in enumerate(pair for round_ in rounds for pair in round_):
+            order = [pair for number in range(args.rounds) for pair in variants[::1 if number % 2 == 0 else -1]]
+            for number, (name, kernels) in enumerate(order):
                 try:
                     calls = variant_calls(kernels, chunk_args, do, args.backward)
                     for label, call in calls.items():

@@ -12,16 +12,21 @@ import kernels_reslin
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")
+sys.path.insert(0, str(REPO / "benchmarks"))
+import kernel_variants  # noqa: E402
+
+
+def copy_of_kernel_files(folder):
+    """`folder` made, with a copy of the tree's Triton kernel files: a variant as tools/variant.sh makes one."""
+    folder.mkdir()
+    for path in REPO.glob("kernels_reslin_triton*.py"):
+        shutil.copy(path, folder)
+    return folder
 
 
 def test_check_tells_a_changed_kernel_from_a_copy(tmp_path, capsys):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import kernel_variants
-
     for name in ("same", "wrong"):
-        (tmp_path / name).mkdir()
-        for path in REPO.glob("kernels_reslin_triton*.py"):
-            shutil.copy(path, tmp_path / name)
+        copy_of_kernel_files(tmp_path / name)
     state = tmp_path / "wrong" / "kernels_reslin_triton_state.py"
     source = state.read_text()
     wrong = source.replace("return decay * S + _added(", "return 0.5 * decay * S + _added(")
@@ -49,14 +54,9 @@ def test_check_tells_a_changed_kernel_from_a_copy(tmp_path, capsys):
 
 
 def test_rounds_time_every_variant_again_in_reverse_order(tmp_path, capsys):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import kernel_variants
-
-    (tmp_path / "copy").mkdir()
-    for path in REPO.glob("kernels_reslin_triton*.py"):
-        shutil.copy(path, tmp_path / "copy")
+    copy = copy_of_kernel_files(tmp_path / "copy")
     kernel_variants.main(["--rules", "sgla", "--shapes", "1x20", "--heads", "1", "--dim", "16", "--repeats", "1",
-                          "--rounds", "3", "--variant", f"now={REPO}", "--variant", f"copy={tmp_path / 'copy'}"])
+                          "--rounds", "3", "--variant", f"now={REPO}", "--variant", f"copy={copy}"])
     timed = [line.split() for line in capsys.readouterr().out.splitlines() if " call " in line]
     assert [line[0] for line in timed] == ["now", "copy", "copy", "now", "now", "copy"]
     assert all(line[-3] == "host" and float(line[-2]) > 0 for line in timed)
