@@ -124,12 +124,12 @@ def write_lm_run(results, rule, seed, loss, bits_per_byte, step_seconds, device=
     (folder / "metrics.json").write_text(json.dumps(metrics))
 
 
-def write_mqar_run(results, rule, seed, accuracy_8x, steps_run=3000, best_step=1000):
+def write_mqar_run(results, rule, seed, accuracy_8x, steps_run=3000, best_step=1000, accuracy_1x=1.0):
     """A JSON result as mqar.py writes it under kla-authors, trimmed to what the table reads."""
     folder = results / "mqar"
     folder.mkdir(parents=True, exist_ok=True)
     run = {"attn_type": rule, "lr": 1e-3, "seed": seed, "steps_run": steps_run, "best_step": best_step,
-           "accuracy": {"1x": 1.0, "2x": 0.99, "4x": 0.95, "8x": accuracy_8x}}
+           "accuracy": {"1x": accuracy_1x, "2x": 0.99, "4x": 0.95, "8x": accuracy_8x}}
     saved = {"protocol": "kla-authors",
              "task": {"kv_pairs": 32, "train_length": 256, "steps": 10000, "batch_size": 32, "eval_examples": 2000,
                       "eval_interval": 200, "patience": 10},
@@ -158,8 +158,10 @@ def fabricated(tmp_path):
 
 
 def table_rows(table):
+    """The first table's rows (the means), by rule."""
+    first_table = table.split("\n\n")[0]
     return {line.split(" | ")[0].removeprefix("| "): line.strip("| ").split(" | ")[1:]
-            for line in table.splitlines() if line.startswith("| ") and not line.startswith("| rule")}
+            for line in first_table.splitlines() if line.startswith("| ") and not line.startswith("| rule")}
 
 
 def test_table_aggregates_the_seeds_present_and_marks_what_is_missing(fabricated, capsys):
@@ -188,9 +190,11 @@ def test_table_aggregates_the_seeds_present_and_marks_what_is_missing(fabricated
 
     assert "LM (WARNING: its runs differ): corpus: 4 train files (2,048 tokens)" in table  # gdn ran elsewhere
     assert "4 steps of 4 x 64 tokens = 1,024 tokens (0.50 epochs), fp32 on NVIDIA H200" in table
-    assert "- rdn - gdn validation loss: -0.3000 (3 / 1 seeds, beyond the seeds' spread): rdn better, as in" in table
+    # Claims pair the seeds both rules have: rdn's seed 0 (3.0) against gdn's (3.5).
+    assert "- rdn - gdn validation loss: -0.5000 on average (seeds 0: -0.5000): rdn better at every seed, as in" \
+        in table
     assert "- kla - gdn validation loss: missing" in table
-    assert "- kla - gdn MQAR accuracy at 8x (points): +15.00 (2 / 1 seeds, beyond the seeds' spread): kla better" \
+    assert "- kla - gdn MQAR accuracy at 8x (points): +20.00 on average (seeds 0: +20.00): kla better at every" \
         in table
     commands = table.split("```")[1].strip().splitlines()
     assert f"python benchmarks/compare_rules.py --results {fabricated} --parts lm --rules rdn --seeds 0 1 2 " \
@@ -199,16 +203,27 @@ def test_table_aggregates_the_seeds_present_and_marks_what_is_missing(fabricated
     assert len(commands) == 6 + 6  # a command per row and part
 
 
-def test_the_papers_claims_read_the_direction_and_the_spread(fabricated):
-    # gdn: 3.5, 3.28 -> 3.39 ± 0.156; rdn's 3.2 ± 0.2 is 0.19 lower: within the larger spread of the two.
-    write_lm_run(fabricated, "gdn", 1, 3.28, 1.0, 0.1)
-    write_mqar_run(fabricated, "gdn", 1, 0.95)  # gdn 8x: 70%, 95% -> 82.5: kla's 85 is better, within 17.7
+def test_the_papers_claims_compare_the_rules_seed_by_seed(fabricated):
+    write_lm_run(fabricated, "gdn", 1, 3.28, 1.0, 0.1)  # rdn - gdn: 3.0 - 3.5 and 3.2 - 3.28
+    write_mqar_run(fabricated, "gdn", 1, 0.95)  # kla - gdn at 8x: 90 - 70 and 80 - 95
     table = compare_rules.main(["--results", str(fabricated), "--table"])
-    assert "- rdn - gdn validation loss: -0.1900 (3 / 2 seeds, within the seeds' spread): rdn better" in table
-    assert "MQAR accuracy at 8x (points): +2.50 (2 / 2 seeds, within the seeds' spread): kla better, as in" in table
-    write_lm_run(fabricated, "kla", 0, 3.4, 1.0, 0.1)
-    assert "- kla - gdn validation loss: +0.0100 (1 / 2 seeds, within the seeds' spread): kla not better, unlike" \
+    assert "- rdn - gdn validation loss: -0.2900 on average (seeds 0 1: -0.5000, -0.0800): rdn better at every seed" \
+        in table
+    assert "MQAR accuracy at 8x (points): +2.50 on average (seeds 0 1: +20.00, -15.00): kla better at 1 of 2 seeds (" \
+        in table
+    write_lm_run(fabricated, "kla", 0, 3.6, 1.0, 0.1)
+    assert "- kla - gdn validation loss: +0.1000 on average (seeds 0: +0.1000): kla better at no seed, unlike" \
         in compare_rules.main(["--results", str(fabricated), "--table"])
+
+
+def test_an_mqar_run_that_never_learned_is_marked_and_left_out_of_the_claims(fabricated):
+    write_mqar_run(fabricated, "gdn", 1, 0.0002, accuracy_1x=0.0004)  # chance: 1 in 4096
+    table = compare_rules.main(["--results", str(fabricated), "--table"])
+    assert "| kla | — | 100.0 / 100.0 | 90.0 / 80.0 |" in table
+    assert "| gdn | 3.500 | 100.0 / 0.0* | 70.0 / 0.0* |" in table
+    assert "*: never learned (accuracy at 1x below 1%)" in table
+    assert "MQAR accuracy at 8x (points): +20.00 on average (seeds 0: +20.00); gdn seed 1 never learned, left out: " \
+           "kla better at every seed" in table
 
 
 def test_a_results_folder_refuses_runs_with_other_flags(tmp_path, corpus, monkeypatch):
