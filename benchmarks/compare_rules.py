@@ -56,7 +56,8 @@ GPU time, measured (2026-12-05, 30a5ef8), one H100: the whole comparison, 18 LM 
 kla-authors MQAR runs (fp32 weights under bf16 autocast, MQAR compiled), took three calls while
 the machine stayed warm: `bash tools/gpu_run.sh compare` twice (572 s: 9 runs done and 4 MQAR runs
 started; 523 s: 27 done, every MQAR run among them), then the last 9 LM runs all at once
-(--jobs 9 --start-within 1) in 134 s. A kla-authors run takes at most 10K steps (fewer when it
+(--jobs 9 --start-within 1) in 134 s, so the job now runs 8 a GPU at once where it ran 4 in those
+calls. A kla-authors run takes at most 10K steps (fewer when it
 stops early) and 50 validations of 0.5M tokens (forward only, ~0.1 s each); its steps run are in
 the table's notes. A GPU call is at most 10 minutes, so repeat one command until the table is
 whole, bringing back only the small JSON files.

@@ -2,7 +2,7 @@
 
     python benchmarks/residual_clip.py                                  # rla and rdn, c = 1 and off, seeds 0 1 2
     python benchmarks/residual_clip.py --rules rla --clips 1 off --seeds 0 1 2
-    python benchmarks/residual_clip.py --lm-runs benchmarks/results/compare --jobs 4   # the GPU job
+    python benchmarks/residual_clip.py --lm-runs benchmarks/results/compare --jobs 8   # the GPU job
     python benchmarks/residual_clip.py --summary                        # only the summary of what exists
 
 Each run trains with train.py's `main` at the comparison's LM recipe (compare_rules.py: its

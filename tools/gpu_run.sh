@@ -48,12 +48,12 @@
 #   context      context parallelism on 2 GPUs (nvidia-h200-x2): its GPU tests, then
 #                benchmarks/bench_context_parallel.py under torchrun (600)
 #   ddp          benchmarks/bench_data_parallel.py: train.py's tokens/s on 1 and 2 GPUs (nvidia-h200-x2) (300)
-#   compare      benchmarks/compare_rules.py --seeds 0 1 2, 4 runs a GPU at once, MQAR compiled, no LM run
+#   compare      benchmarks/compare_rules.py --seeds 0 1 2, 8 runs a GPU at once, MQAR compiled, no LM run
 #                started after 3.5 min (MQAR runs still start: one cut at the end resumes from its last
 #                validation in the next call, if the machine is still warm); its JSON results into
 #                compare.tgz in the log folder (untar it in the repository's root: see the script's
 #                docstring); its summary line: "compare: N of M runs done[, K more started ...]" (570)
-#   residual-clip  benchmarks/residual_clip.py: rla and rdn, c = 1 and off, seeds 0-2, 4 runs a GPU at
+#   residual-clip  benchmarks/residual_clip.py: rla and rdn, c = 1 and off, seeds 0-2, 8 runs a GPU at
 #                once; the c = 1 runs that the comparison trained on this machine are measured in place
 #                (so run it right after `compare`, while the machine is warm); its JSON records into
 #                residual_clip.tgz in the log folder (570)
@@ -154,12 +154,12 @@ for name in "$@"; do
     ddp) job ddp 300 env NCCL_NVLS_ENABLE=0 python3 benchmarks/bench_data_parallel.py --steps 30 ;;
     # Finished runs (committed in benchmarks/results/compare) are skipped: repeat until the table is whole.
     compare) job compare 570 python3 benchmarks/compare_rules.py --seeds 0 1 2 --start-within 3.5 \
-      --jobs $((4 * $(nvidia-smi -L | wc -l))) --mqar-args=--compile
+      --jobs $((8 * $(nvidia-smi -L | wc -l))) --mqar-args=--compile
       find benchmarks/results/compare -name comparison.json -o -name metrics.json -o -path '*/mqar/*.json' \
         | tar czf "$logs/compare.tgz" -T -
       for log in benchmarks/results/compare/logs/*.log; do echo "== $log"; tail -c 2000 "$log"; echo; done >"$logs/compare-runs.log" ;;
     residual-clip) job residual-clip 570 python3 benchmarks/residual_clip.py --lm-runs benchmarks/results/compare \
-      --start-within 4 --jobs $((4 * $(nvidia-smi -L | wc -l)))
+      --start-within 4 --jobs $((8 * $(nvidia-smi -L | wc -l)))
       find benchmarks/results/residual_clip -name residual_clip.json -o -name metrics.json \
         | tar czf "$logs/residual_clip.tgz" -T - ;;
   esac
