@@ -15,9 +15,12 @@ call is named in its row.
 
 Each step is timed as generation runs it: --calls-per-graph calls captured in one CUDA graph,
 the graph replayed --repeats times (CUDA events, median), the time per call printed; the host's
-time is out of it. The state a step reads and writes (S, and R for the residual rules, each read
-and written once) is set against the device-to-device copy bandwidth measured at the start
-(bytes read + written / time).
+time is out of it. As in a model, where a layer's state is read once a step with every other
+layer's weights and state read in between, the calls cycle through enough copies of the state to
+pass the L2 cache twice (a graph takes as many calls as there are copies, if more than
+--calls-per-graph): one state read again and again would stay in L2 up to ~50 MB. The state a
+step reads and writes (S, and R for the residual rules, each read and written once) is set against
+the device-to-device copy bandwidth measured at the start (bytes read + written / time).
 
     python benchmarks/bench_decode.py [--heads 8 16] [--dim 128] [--batches 1 16 64] [--rules ...]
     python benchmarks/bench_decode.py --smoke   # tiny sizes, Triton's CPU interpreter in fp32, eager timing
@@ -28,7 +31,8 @@ import math
 
 import torch
 
-from common import DEVICE, DTYPE, RULES, graph_replay, import_fla, median_ms, print_header, rule_inputs
+from common import (DEVICE, DTYPE, RULES, copies_past_l2, import_fla, median_ms, print_header, rule_inputs,
+                    us_per_call)
 from kernels_reslin import reslin_decode_step
 
 
@@ -37,19 +41,6 @@ def copy_bandwidth(nbytes=2**31):
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     return 2 * nbytes / (median_ms(lambda: dst.copy_(src)) / 1e3)
-
-
-def us_per_call(call, calls_per_graph, repeats):
-    """Microseconds a call: on a GPU `calls_per_graph` calls replayed from one CUDA graph, the
-    replay timed by CUDA events; on the CPU the call itself, by the wall clock."""
-    if DEVICE != "cuda":
-        return 1e3 * median_ms(call, repeats=repeats)
-
-    def calls():
-        for _ in range(calls_per_graph):
-            call()
-
-    return 1e3 * median_ms(graph_replay(calls), repeats=repeats) / calls_per_graph
 
 
 def import_flashinfer_gdn():
@@ -75,28 +66,30 @@ def flashinfer_gate_inputs(B, H):
 
 
 def gdn_anchors(fla, flashinfer, x, B, H, D):
-    """[(name, call, state bytes a call reads and writes)] of the importable GDN anchors on the
-    inputs `x` of ours."""
+    """[(name, call, state bytes a call reads and writes, copies of the state its calls cycle
+    through)] of the importable GDN anchors on the inputs `x` of ours."""
     anchors = []
-    fp32_state_bytes = 2 * B * H * D * D * 4
+    shape = (B, H, D, D)
     if fla is not None:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
-        S = torch.randn(B, H, D, D, device=DEVICE) * 0.1
+        next_fla_state, copies = copies_past_l2(lambda: torch.randn(shape, device=DEVICE) * 0.1, math.prod(shape) * 4)
         anchors.append(("FLA fused_recurrent (gdn)", lambda: fused_recurrent_gated_delta_rule(
-            x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=S, output_final_state=True),
-            fp32_state_bytes))
+            x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=next_fla_state(), output_final_state=True),
+            2 * math.prod(shape) * 4, copies))
     if flashinfer is not None:
         gates = flashinfer_gate_inputs(B, H)
         output = torch.empty(B, 1, H, D, device=DEVICE, dtype=torch.bfloat16)
-        for name, decode, state in (
-                ("FlashInfer decode, fp32 state (gdn)", flashinfer.gated_delta_rule_decode,
-                 torch.randn(B, H, D, D, device=DEVICE) * 0.1),
+        for name, decode, dtype in (
+                ("FlashInfer decode, fp32 state (gdn)", flashinfer.gated_delta_rule_decode, torch.float32),
                 ("FlashInfer pretranspose, bf16 state (gdn)", flashinfer.gated_delta_rule_decode_pretranspose,
-                 (torch.randn(B, H, D, D, device=DEVICE) * 0.1).to(torch.bfloat16))):
-            anchors.append((name, lambda decode=decode, state=state: decode(
-                q=x["q"], k=x["k"], v=x["v"], state=state, output=output, use_qk_l2norm=False, **gates),
-                2 * state.numel() * state.element_size()))
+                 torch.bfloat16)):
+            state_bytes = math.prod(shape) * dtype.itemsize
+            next_state, copies = copies_past_l2(
+                lambda dtype=dtype: (torch.randn(shape, device=DEVICE) * 0.1).to(dtype), state_bytes)
+            anchors.append((name, lambda decode=decode, next_state=next_state: decode(
+                q=x["q"], k=x["k"], v=x["v"], state=next_state(), output=output, use_qk_l2norm=False, **gates),
+                2 * state_bytes, copies))
     return anchors
 
 
@@ -133,17 +126,19 @@ def main(argv=None):
                 _, residual, _ = RULES[rule]
                 x = rule_inputs(rule, B, 1, H, args.dim)
                 shape = (B, H, args.dim, args.dim)
-                state = (torch.randn(shape, device=DEVICE) * 0.1,
-                         torch.randn(shape, device=DEVICE) * 0.1 if residual else None)
-                us = us_per_call(lambda: reslin_decode_step(**x, state=state, backend="triton"),
-                                 args.calls_per_graph, args.repeats)
-                print_row(f"ours {rule}", H, B, us, 2 * (2 if residual else 1) * math.prod(shape) * 4, copy_bw)
+                state_bytes = (2 if residual else 1) * math.prod(shape) * 4
+                next_state, copies = copies_past_l2(lambda: (
+                    torch.randn(shape, device=DEVICE) * 0.1,
+                    torch.randn(shape, device=DEVICE) * 0.1 if residual else None), state_bytes)
+                us = us_per_call(lambda: reslin_decode_step(**x, state=next_state(), backend="triton"),
+                                 max(args.calls_per_graph, copies), args.repeats)
+                print_row(f"ours {rule}", H, B, us, 2 * state_bytes, copy_bw)
                 if rule == "gdn":
                     ours_gdn_us = us
             x = rule_inputs("gdn", B, 1, H, args.dim)
-            for name, call, state_bytes in gdn_anchors(fla, flashinfer, x, B, H, args.dim):
+            for name, call, state_bytes, copies in gdn_anchors(fla, flashinfer, x, B, H, args.dim):
                 try:
-                    us = us_per_call(call, args.calls_per_graph, args.repeats)
+                    us = us_per_call(call, max(args.calls_per_graph, copies), args.repeats)
                 except Exception as error:  # noqa: BLE001 - one anchor failing leaves the others' rows
                     print(f"{name:42} {H:3d} {B:3d} failed: {type(error).__name__}: {str(error).splitlines()[0]}")
                     continue

@@ -12,8 +12,8 @@ ratio ours / unfused, and ours' relative error against the unfused output (bf16:
 the two rounding at the same points).
 
 The calls cycle through enough copies of the weights to pass the GPU's L2 cache (about 50 MB on
-an H200) twice, as a model's layers do: one matrix read again and again would stay in L2 and
-time its bandwidth, not HBM's.
+an H200) twice, as a model's layers do (a graph takes as many calls as there are copies, if more
+than CALLS): one matrix read again and again would stay in L2 and time its bandwidth, not HBM's.
 
     python benchmarks/bench_gemv.py [--shapes 400M 1.3B] [--rows 1 4 16] [--calls 50]
     python benchmarks/bench_gemv.py --sweep --shapes 400M --rows 1 16 --calls 20 --replays 10 \
@@ -25,12 +25,11 @@ gemv_launch's own pick, fastest first: what to change in gemv_launch.
 """
 
 import argparse
-import itertools
 
 import torch
 import torch.nn.functional as F
 
-from common import DEVICE, DTYPE, graph_replay, median_ms, print_header
+from common import DEVICE, DTYPE, copies_past_l2, print_header, us_per_call
 import kernels_reslin_triton_gemv as gemv
 import kernels_reslin_triton_layers as layers
 
@@ -38,7 +37,6 @@ EPS = 1e-6
 # (hidden, heads of 128, SwiGLU width): the in-projection's rows are q, k, v and g of the hidden
 # width and a, b and gamma of one value a head.
 SHAPES = {"400M": (1024, 8, 2816), "1.3B": (2048, 16, 5632), "smoke": (32, 2, 48)}
-L2_BYTES = 50 * 2**20
 # Each entry point's norm, as `_gemv_kernel` names it.
 ENTRY_POINTS = {"rms_norm_linear": "row", "gated_rms_norm_linear": "gated_heads", "rms_norm_swiglu": "row",
                 "linear_residual": "none"}
@@ -61,10 +59,10 @@ def launch(name, rows, K, N, head_dim):
     return tile, K_span, blocks["GROUP_BLOCK"] if head_dim else 1
 
 
-def calls(name, rows, K, N, weights, head_dim, copies):
-    """(ours, unfused, ours' relative error against unfused): two callables each making the next
-    call of a cycle over `copies` copies of the weights, on one step's inputs [rows, 1, K]; the
-    error taken on the first copy."""
+def calls(name, rows, K, N, weights, head_dim, weight_bytes):
+    """(ours, unfused, ours' relative error against unfused, copies): two callables each making the
+    next call of a cycle over copies of the weights that pass the L2 cache twice
+    (common.copies_past_l2), on one step's inputs [rows, 1, K]; the error taken on one copy."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
 
     def randn(*shape, scale=1.0):
@@ -73,7 +71,8 @@ def calls(name, rows, K, N, weights, head_dim, copies):
     x, residual = randn(rows, 1, K), randn(rows, 1, N)
     gate = randn(rows, 1, K + 24)[..., 24:]  # a column slice, as the in-projection's output gives it
     norm_weight = 1 + randn(head_dim or K, scale=0.3)
-    matrices = [[randn(N, K, scale=K ** -0.5) for _ in range(weights)] for _ in range(copies)]
+    next_weights, copies = copies_past_l2(lambda: [randn(N, K, scale=K ** -0.5) for _ in range(weights)],
+                                          weight_bytes)
     heads = (rows, 1, K // head_dim, head_dim) if head_dim else None
 
     def ours(w):
@@ -94,22 +93,9 @@ def calls(name, rows, K, N, weights, head_dim, copies):
             o, = layers.rms_norm(x.view(heads), norm_weight, EPS, gate.view(heads), w)
             return residual + o.view(rows, 1, N)
         return residual + F.linear(x, *w)
-    error = rel_err(ours(matrices[0]), unfused(matrices[0]))
-    turn = itertools.cycle(matrices)
-    return lambda: ours(next(turn)), lambda: unfused(next(turn)), error
-
-
-def us_per_call(fn, count, replays):
-    """One call's time in us: on a GPU `count` calls captured in one CUDA graph (common.graph_replay),
-    the median replay over `count`; on a CPU the wall clock's median call."""
-    if DEVICE != "cuda":
-        return 1e3 * median_ms(fn, repeats=replays, warmup=1)
-
-    def calls():
-        for _ in range(count):
-            fn()
-
-    return 1e3 * median_ms(graph_replay(calls), repeats=replays, warmup=1) / count
+    w = next_weights()
+    error = rel_err(ours(w), unfused(w))
+    return lambda: ours(next_weights()), lambda: unfused(next_weights()), error, copies
 
 
 def rel_err(x, ref):
@@ -133,7 +119,8 @@ def main(argv=None):
     parser.add_argument("--shapes", nargs="+", default=["400M", "1.3B"], choices=sorted(SHAPES))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="tokens a step (the batch)")
     parser.add_argument("--entry-points", nargs="+", default=list(ENTRY_POINTS), choices=ENTRY_POINTS)
-    parser.add_argument("--calls", type=int, default=50, help="calls captured in one CUDA graph")
+    parser.add_argument("--calls", type=int, default=50,
+                        help="calls captured in one CUDA graph (at least one a copy of the weights)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also ours under other launch tiles")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a call a replay (for a CPU)")
@@ -153,19 +140,19 @@ def main(argv=None):
                 weights = 2 if name == "rms_norm_swiglu" else 1
                 for rows in args.rows:
                     weight_bytes = weights * N * K * DTYPE.itemsize
-                    copies = 1 if args.smoke else -(-2 * L2_BYTES // weight_bytes)
-                    ours, unfused, error = calls(name, rows, K, N, weights, head_dim, copies)
-                    ours_us = us_per_call(ours, args.calls, args.replays)
-                    unfused_us = us_per_call(unfused, args.calls, args.replays)
+                    ours, unfused, error, copies = calls(name, rows, K, N, weights, head_dim, weight_bytes)
+                    count = max(args.calls, copies)  # every replay reads every copy
+                    ours_us = us_per_call(ours, count, args.replays)
+                    unfused_us = us_per_call(unfused, count, args.replays)
                     tile, K_span, group_block = launch(name, rows, K, N, head_dim)
                     print(f"{name:22} {shape:5} {rows:4d} {ours_us:8.2f} {weight_bytes / ours_us / 1e3:6.0f} "
                           f"{unfused_us:10.2f} {weight_bytes / unfused_us / 1e3:6.0f} {ours_us / unfused_us:6.2f} "
                           f"{error:8.1e}  {tile}", flush=True)
                     if args.sweep:
-                        sweep(ours, tile, rows, N, K_span, group_block, weights, weight_bytes, args)
+                        sweep(ours, tile, rows, N, K_span, group_block, weights, weight_bytes, count, args)
 
 
-def sweep(ours, pick, rows, N, K_span, group_block, weights, weight_bytes, args):
+def sweep(ours, pick, rows, N, K_span, group_block, weights, weight_bytes, count, args):
     """Ours under each other tile (gemv_launch replaced for the call), fastest first, the pick
     marked; a tile that does not compile or fit is named with its error."""
     results = []
@@ -173,7 +160,7 @@ def sweep(ours, pick, rows, N, K_span, group_block, weights, weight_bytes, args)
         original = gemv.gemv_launch
         gemv.gemv_launch = lambda *_, tile=tile: tile
         try:
-            results.append((us_per_call(ours, args.calls, args.replays), tile))
+            results.append((us_per_call(ours, count, args.replays), tile))
         except Exception as error:  # a tile past the shared memory or the registers: the others still run
             print(f"    {tile}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
         finally:

@@ -6,6 +6,7 @@ works) and, without a GPU, sets TRITON_INTERPRET=1 before Triton is imported, so
 bf16 wrongly without an error, hence DTYPE is fp32 there.
 """
 
+import itertools
 import os
 import statistics
 import sys
@@ -165,6 +166,33 @@ def median_ms(fn, repeats=10, warmup=2):
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def us_per_call(call, calls_per_graph, repeats):
+    """Microseconds a call as a generation step's CUDA graph sees it: on a GPU `calls_per_graph`
+    calls captured in one graph, the replay timed (median_ms) and divided by the calls, so that
+    launch gaps count and the host's time does not; on the CPU the call itself, by the wall clock."""
+    if DEVICE != "cuda":
+        return 1e3 * median_ms(call, repeats=repeats)
+
+    def calls():
+        for _ in range(calls_per_graph):
+            call()
+
+    return 1e3 * median_ms(graph_replay(calls), repeats=repeats) / calls_per_graph
+
+
+L2_BYTES = 50 * 2**20  # an H100's or an H200's L2 cache
+
+
+def copies_past_l2(make, nbytes):
+    """(next, count): `next()` returns the next of `count` copies made by `make()`, each of `nbytes`
+    bytes, in a cycle that passes the L2 cache twice (one copy on the CPU). A model's step reads each
+    layer's weights and state once, with the other layers' reads in between: a benchmark that read
+    one copy again and again would time the L2 cache, not the memory. A graph of calls must take
+    at least `count` of them, so that each replay reads every copy."""
+    copies = [make() for _ in range(-(-2 * L2_BYTES // nbytes) if DEVICE == "cuda" else 1)]
+    return itertools.cycle(copies).__next__, len(copies)
 
 
 def host_ms(fn, repeats=10):

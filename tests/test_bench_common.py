@@ -1,6 +1,7 @@
-"""benchmarks/common.py's handle on FLA's autotuners: retune_fla finds every autotuned kernel of
-FLA's modules, also under triton.heuristics, and makes it tune again without the disk cache;
-fla_picks says what they picked."""
+"""benchmarks/common.py and the timing it gives the benchmarks: retune_fla finds every autotuned
+kernel of FLA's modules, also under triton.heuristics, and makes it tune again without the disk
+cache; fla_picks says what they picked; copies_past_l2 cycles through enough copies to pass the L2
+cache; bench_forward's rounds and graphs."""
 
 import sys
 import types
@@ -111,3 +112,22 @@ def test_bench_forward_with_graphs_replays_every_call_and_refuses_what_it_cannot
         monkeypatch.setattr(sys, "argv", ["bench_forward.py", *argv])
         with pytest.raises(SystemExit):
             bench_forward.main()
+
+
+def test_copies_past_l2_cycle_through_enough_copies_to_pass_the_l2_cache_twice(monkeypatch):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import common
+
+    made = []
+
+    def make():
+        made.append(object())
+        return made[-1]
+
+    monkeypatch.setattr(common, "DEVICE", "cuda")
+    next_copy, count = common.copies_past_l2(make, 30 * 2**20)  # 100 MiB / 30 MiB: 4 copies
+    assert count == 4 and made and len(made) == 4
+    assert [next_copy() for _ in range(6)] == made + made[:2]
+    assert common.copies_past_l2(make, 3 * common.L2_BYTES)[1] == 1  # one copy larger than the cache
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    assert common.copies_past_l2(make, 2**10)[1] == 1  # nothing to pass on the CPU
