@@ -57,10 +57,10 @@ kla-authors MQAR runs (fp32 weights under bf16 autocast, MQAR compiled), took th
 the machine stayed warm: `bash tools/gpu_run.sh compare` twice (572 s: 9 runs done and 4 MQAR runs
 started; 523 s: 27 done, every MQAR run among them), then the last 9 LM runs all at once
 (--jobs 9 --start-within 1) in 134 s, so the job now runs 8 a GPU at once where it ran 4 in those
-calls. A kla-authors run takes at most 10K steps (fewer when it
-stops early) and 50 validations of 0.5M tokens (forward only, ~0.1 s each); its steps run are in
-the table's notes. A GPU call is at most 10 minutes, so repeat one command until the table is
-whole, bringing back only the small JSON files.
+calls. A kla-authors run takes at most 10K steps (fewer when it stops early) and 50 validations
+of 0.5M tokens (forward only, ~0.1 s each); its steps run are in the table's notes. A GPU call is
+at most 10 minutes, so repeat one command until the table is whole, bringing back only the small
+JSON files.
 --start-within holds back only the runs that would start over if cut: the LM runs (their first
 checkpoint, at train.py's --save-interval 1000, comes after their 500 steps) and reslin-gap's
 MQAR runs; a kla-authors MQAR run starts whenever a slot frees, and one that the call's end cuts
@@ -68,9 +68,9 @@ continues in the next call from its last validation (every 200 steps), if that c
 machine still warm: the saved states (54-72 MB each, git-ignored) stay in the working tree there
 and are not brought back, so a fresh machine starts those runs over. At the call's end `timeout`
 sends SIGTERM: the runs stop, and the table and its last line, the job's summary, still print.
-The default --results, benchmarks/results/compare/, is in the repository (its .gitignore keeps the JSON files only):
-what is committed there travels to the GPU machine with the tree, so a rerun makes only what is
-missing.
+The default --results, benchmarks/results/compare/, is in the repository (its .gitignore keeps
+the JSON files only): what is committed there travels to the GPU machine with the tree, so a
+rerun makes only what is missing.
 
     bash tools/gpu_run.sh compare    # on the GPU machine: the runs, then $OUT/compare.tgz
     # then here, in the repository's root: tar xzf <files_at>/compare.tgz, and commit the results;
@@ -500,7 +500,8 @@ def metric_values(lm_runs, mqar_runs):
                                                      for seed in seeds}
     for rule, by_seed in mqar_runs.items():
         for length in (f"{factor}x" for factor in mqar.LENGTH_FACTORS):
-            values[("mqar", length)][rule] = {seed: 100 * by_seed[seed]["accuracy"][length] for seed in sorted(by_seed)}
+            values[("mqar", length)][rule] = {seed: 100 * by_seed[seed]["accuracy"][length]
+                                              for seed in sorted(by_seed)}
     return values
 
 
@@ -553,9 +554,9 @@ def by_seed_lines(values):
     for rule in (r for r in LM_RULES if any(r in values[(part, metric)] for part, metric, _, _ in columns)):
         cells = []
         for part, metric, _, digits in columns:
-            by_seed = values[(part, metric)].get(rule, {})
-            cells.append(" / ".join(f"{value:.{digits}f}" + ("*" if part == "mqar" and (rule, seed) in not_learned
-                                                             else "") for seed, value in by_seed.items()) or "—")
+            marked = not_learned if part == "mqar" else set()
+            cells.append(" / ".join(f"{value:.{digits}f}" + ("*" if (rule, seed) in marked else "")
+                                    for seed, value in values[(part, metric)].get(rule, {}).items()) or "—")
         lines.append(f"| {rule} | " + " | ".join(cells) + " |")
     lines.append("Seed by seed in the order of the seeds listed above"
                  + (f"; *: never learned (accuracy at 1x below {LEARNED_ABOVE:g}%)." if not_learned else "."))
@@ -578,9 +579,10 @@ def claim_lines(values):
     for part, metric, rule, baseline, paper in PAPER_CLAIMS:
         ours, theirs = values[(part, metric)].get(rule, {}), values[(part, metric)].get(baseline, {})
         name, digits = ("validation loss", 4) if metric == "loss" else (f"MQAR accuracy at {metric} (points)", 2)
-        failed = sorted((r, seed) for r in (rule, baseline) for seed in ours.keys() & theirs.keys()
+        shared = ours.keys() & theirs.keys()
+        failed = sorted((r, seed) for r in (rule, baseline) for seed in shared
                         if part == "mqar" and (r, seed) in not_learned)
-        seeds = sorted(seed for seed in ours.keys() & theirs.keys() if seed not in {seed for _, seed in failed})
+        seeds = sorted(shared - {seed for _, seed in failed})
         left_out = "".join(f"; {r} seed {seed} never learned, left out" for r, seed in failed)
         if not seeds:
             lines.append(f"- {rule} - {baseline} {name}: missing{left_out} ({paper})")
