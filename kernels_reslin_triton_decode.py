@@ -15,10 +15,12 @@ written exactly once.
 import torch
 
 try:
-    from .kernels_reslin_triton_launch import _cdiv, _Launcher, _next_power_of_2, _on_inputs_device, tl, triton
+    from .kernels_reslin_triton_launch import (_cdiv, _Launcher, _next_power_of_2, _on_inputs_device,
+                                               _wait_for_previous_kernel, programmatic_launch, tl, triton)
     from .kernels_reslin_triton_layers import L2_EPS, MAX_L2_HEAD_SIZE
 except ImportError:
-    from kernels_reslin_triton_launch import _cdiv, _Launcher, _next_power_of_2, _on_inputs_device, tl, triton
+    from kernels_reslin_triton_launch import (_cdiv, _Launcher, _next_power_of_2, _on_inputs_device,
+                                              _wait_for_previous_kernel, programmatic_launch, tl, triton)
     from kernels_reslin_triton_layers import L2_EPS, MAX_L2_HEAD_SIZE
 
 
@@ -67,10 +69,11 @@ def _decode_inputs_kernel(projected_ptr, q_weight_ptr, k_weight_ptr, v_weight_pt
                           q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, gamma_write_ptr,
                           row_stride, H, HV, GROUP, DK, DV, l2_eps, kaczmarz_eps,
                           K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr,
-                          BS: tl.constexpr, RESIDUAL: tl.constexpr, KACZMARZ: tl.constexpr):
+                          BS: tl.constexpr, RESIDUAL: tl.constexpr, KACZMARZ: tl.constexpr, PDL: tl.constexpr):
     """Program (unit, b) owns row b's unit: a q head (unit < H), a k head with the gates of its
     GROUP value heads (H <= unit < 2H: KLA's step needs that head's ||k||^2), or a v head. So
     each channel's convolution state is read and written by its one program."""
+    _wait_for_previous_kernel(PDL)
     unit, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     row = projected_ptr + b * row_stride  # columns q | k | v | a | b | c
     if unit < H:
@@ -155,7 +158,8 @@ def decode_inputs(projected, conv_weights, conv_states, A_log, dt_bias, *, num_h
     _decode_inputs_kernel[(2 * H + HV, B)](
         projected, *conv_weights, *conv_states, A_log, dt_bias, q, k, v, g, beta, gamma,
         gamma_write if residual and kaczmarz else None, projected.stride(0), H, HV, HV // H, Dk, Dv, L2_EPS,
-        float(kaczmarz_eps), **blocks, RESIDUAL=residual, KACZMARZ=kaczmarz, num_warps=warps)
+        float(kaczmarz_eps), **blocks, RESIDUAL=residual, KACZMARZ=kaczmarz, **programmatic_launch(projected),
+        num_warps=warps)
     return q, k, v, g, beta, gamma, gamma_write
 
 
@@ -205,7 +209,8 @@ def _check_decode_inputs(projected, conv_weights, conv_states, A_log, dt_bias, H
 def _decode_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, gamma_write_ptr,
                         S_ptr, R_ptr, o_ptr, scale, clip, HV, GROUP, DK, DV,
                         BK: tl.constexpr, BV: tl.constexpr,
-                        DELTA: tl.constexpr, RESIDUAL: tl.constexpr):
+                        DELTA: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    _wait_for_previous_kernel(PDL)
     seq_head = tl.program_id(0)                    # n * HV + value head
     key_row = seq_head // GROUP                    # n * H + key head (q and k have H = HV / GROUP)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -267,6 +272,6 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
     _decode_step_kernel[grid](
         q, k, v, g, beta, gamma if residual else g, gamma_write if residual else g,
         S, R if residual else S, o, scale, clip, HV, HV // H, Dk, Dv,
-        BK=BK, BV=BV, DELTA=update == "delta", RESIDUAL=residual,
+        BK=BK, BV=BV, DELTA=update == "delta", RESIDUAL=residual, **programmatic_launch(q),
     )
     return o

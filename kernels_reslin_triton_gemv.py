@@ -25,10 +25,12 @@ two tensors of x's dtype). Forward only: the model calls them where autograd is 
 import torch
 
 try:
-    from .kernels_reslin_triton_launch import _cdiv, _Launcher, _next_power_of_2, _on_inputs_device, tl, triton
+    from .kernels_reslin_triton_launch import (_cdiv, _Launcher, _next_power_of_2, _on_inputs_device,
+                                               _wait_for_previous_kernel, programmatic_launch, tl, triton)
     from .kernels_reslin_triton_layers import token_rows
 except ImportError:
-    from kernels_reslin_triton_launch import _cdiv, _Launcher, _next_power_of_2, _on_inputs_device, tl, triton
+    from kernels_reslin_triton_launch import (_cdiv, _Launcher, _next_power_of_2, _on_inputs_device,
+                                              _wait_for_previous_kernel, programmatic_launch, tl, triton)
     from kernels_reslin_triton_layers import token_rows
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -36,13 +38,16 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # many loads in flight at once, so the launch has at least this many programs, about two for
 # each of an H200's 132 SMs.
 PROGRAMS_TO_FILL = 256
-# Weight elements a one-row program loads at once: 64 bytes a thread, on 4 warps in 2-byte elements,
-# on 8 in fp32 (on 4, ptxas spilled the fp32 gated norm's program).
+# Elements of each weight a one-row program loads at once: 64 bytes a thread, on 4 warps in 2-byte
+# elements, on 8 in fp32 (on 4, ptxas spilled the fp32 gated norm's program); SwiGLU's two weights
+# twice that (faster at one row than half a tile each: benchmarks/README.md).
 ONE_ROW_TILE = 4096
 MAX_BLOCK_K = 4096
 DOT_BLOCK_M = 16  # the smallest tl.dot tile: 2 to 16 rows are one padded tile
-DOT_BLOCK_K = 256  # one weight of 2-byte elements; two weights or fp32 take as many bytes a stage
+DOT_BLOCK_N = 32
+DOT_BLOCK_K = 256  # of one weight in 2-byte elements: half of it in fp32, a quarter for SwiGLU's two weights
 DOT_STAGES = 4
+GATED_DOT_STAGES = 2  # the gated head norm's: ranked first at 4 and 16 rows (bench_gemv.py --sweep)
 
 
 @_Launcher
@@ -51,7 +56,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
                  M, N, K, K_SPAN, x_stride, gate_stride, residual_stride, eps,
                  NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y [M, N] = epilogue(normed(x) @ weight.T) for the rows of a BLOCK_M tile and the outputs of
     a BLOCK_N tile, the weight's rows streamed over K in BLOCK_K chunks.
 
@@ -67,7 +72,11 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     tl.dot of a 16-row tile: a broadcast product of BLOCK_M rows would hold BLOCK_M fp32 products
     of the weight tile in registers at once, where the tensor cores take 16 rows at the cost of
     one, and Triton's software pipeline keeps the next chunks' weight loads in flight through
-    shared memory (cp.async; the one-row path's single round of loads needs none)."""
+    shared memory (cp.async; the one-row path's single round of loads needs none).
+
+    PDL: launched with programmatic dependent launch, the one-row path loads its first chunk of
+    weights before it waits for the previous kernel (`_wait_for_previous_kernel`): the weights
+    must not be what that kernel writes. The tl.dot path waits first: its loads are the pipeline's."""
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,6 +84,13 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     positions = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
     weight_rows = weight_ptr + outs.to(tl.int64)[:, None] * K
+    up_weight_rows = up_weight_ptr + outs.to(tl.int64)[:, None] * K if SWIGLU else weight_rows
+
+    if PDL and BLOCK_M == 1:
+        cols, col_ok, _ = _chunk_columns(0, positions, K_SPAN, GROUP, GROUP_BLOCK)
+        first_weight, first_up_weight = _weight_chunk(weight_rows, up_weight_rows, cols,
+                                                      out_ok[:, None] & col_ok[None, :], SWIGLU)
+    _wait_for_previous_kernel(PDL)
 
     if NORM == "row":
         squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -92,14 +108,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, K_SPAN, BLOCK_K):
-        padded = start + positions
-        lanes = padded % GROUP_BLOCK
-        if GROUP == GROUP_BLOCK:
-            cols = padded
-            col_ok = padded < K_SPAN
-        else:
-            cols = (padded // GROUP_BLOCK) * GROUP + lanes
-            col_ok = (lanes < GROUP) & (padded < K_SPAN)
+        cols, col_ok, lanes = _chunk_columns(start, positions, K_SPAN, GROUP, GROUP_BLOCK)
         x_ok = row_ok[:, None] & col_ok[None, :]
         x = tl.load(x_rows + cols[None, :], mask=x_ok, other=0.0)
         if NORM == "row":
@@ -116,10 +125,13 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
                            other=0.0).to(tl.float32)
             x = (x * rstd * norm_weight[None, :] * gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty)
         weight_ok = out_ok[:, None] & col_ok[None, :]
-        weight = tl.load(weight_rows + cols[None, :], mask=weight_ok, other=0.0)
-        if SWIGLU:
-            up_weight = tl.load(up_weight_ptr + outs.to(tl.int64)[:, None] * K + cols[None, :], mask=weight_ok,
-                                other=0.0)
+        if PDL and BLOCK_M == 1:
+            if start == 0:
+                weight, up_weight = first_weight, first_up_weight
+            else:
+                weight, up_weight = _weight_chunk(weight_rows, up_weight_rows, cols, weight_ok, SWIGLU)
+        else:
+            weight, up_weight = _weight_chunk(weight_rows, up_weight_rows, cols, weight_ok, SWIGLU)
         if BLOCK_M == 1:
             x = x.to(tl.float32)
             acc += tl.sum(weight.to(tl.float32) * x, axis=1)
@@ -145,34 +157,62 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + outs[None, :], y.to(y_ptr.dtype.element_ty), mask=y_ok)
 
 
+@triton.jit
+def _chunk_columns(start, positions, K_SPAN, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr):
+    """(the channels, which of them are real, the lanes within a group) of the chunk of padded
+    positions start + positions (see `_gemv_kernel`)."""
+    padded = start + positions
+    lanes = padded % GROUP_BLOCK
+    if GROUP == GROUP_BLOCK:
+        cols = padded
+        col_ok = padded < K_SPAN
+    else:
+        cols = (padded // GROUP_BLOCK) * GROUP + lanes
+        col_ok = (lanes < GROUP) & (padded < K_SPAN)
+    return cols, col_ok, lanes
+
+
+@triton.jit
+def _weight_chunk(weight_rows, up_weight_rows, cols, weight_ok, SWIGLU: tl.constexpr):
+    """The tiles of the weight and, with SWIGLU, of the up weight at the columns cols (else the
+    weight's again, unused)."""
+    weight = tl.load(weight_rows + cols[None, :], mask=weight_ok, other=0.0)
+    up_weight = weight
+    if SWIGLU:
+        up_weight = tl.load(up_weight_rows + cols[None, :], mask=weight_ok, other=0.0)
+    return weight, up_weight
+
+
 def gemv_launch(M, N, K_span, group_block, weights, element_bytes):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `_gemv_kernel` for M rows, N outputs,
-    K_span positions in groups of group_block (1 without groups), `weights` weight matrices (2
-    for SwiGLU) of element_bytes each.
+    K_span positions in groups of group_block (1 without groups: with groups, the gated head norm),
+    `weights` weight matrices (2 for SwiGLU) of element_bytes each. Chosen by bench_gemv.py --sweep
+    at the 400m and 1.3b shapes (benchmarks/README.md).
 
     One row: a program's chunk spans the whole K where it can (up to MAX_BLOCK_K: the 400M down
     projection's 2816 in a chunk of 4096, its lanes past 2816 masked, which costs issue slots, not
-    bandwidth), so that the product is one round of loads: programs of ONE_ROW_TILE weight
-    elements, many to a SM (4 warps, 8 in fp32, and <= 40 registers each), have every weight
+    bandwidth), so that the product is one round of loads: ONE_ROW_TILE elements of each weight a
+    program, many programs to a SM (4 warps in 2-byte elements, 8 in fp32 and for the gated norm,
+    whose x side, the gate's sigmoid and the heads' sums, is more work a lane), every weight
     element in flight at once (K = 1024: tiles of 4 rows; the 400M in-projection's 4120 rows in
     1030 programs). x, read by every program, stays in each SM's L1. Fewer rows a program where
     that leaves fewer than PROGRAMS_TO_FILL programs.
 
-    More rows: tl.dot tiles of 16 rows and BLOCK_N 16 (the smallest tl.dot takes), 32 for one
-    weight where N still gives PROGRAMS_TO_FILL / 2 programs (the in-projection), chunks along K
-    that Triton's software pipeline keeps DOT_STAGES deep in flight through shared memory: of
-    DOT_BLOCK_K for one bf16 or fp16 weight, as many bytes for two or for fp32 (the fp32 SwiGLU
-    of the 1.3B shape at 256 passed the H200's shared memory)."""
+    More rows: tl.dot tiles of 16 rows and DOT_BLOCK_N outputs, chunks along K that Triton's
+    software pipeline keeps DOT_STAGES deep in flight through shared memory (GATED_DOT_STAGES for
+    the gated norm); SwiGLU's short chunks, two weights of 64 positions, ranked first at 4 and
+    16 rows (1.3-1.5x faster than chunks of 128)."""
     K_block = max(16, _next_power_of_2(K_span))
+    gated = group_block > 1
     if M == 1:
         BLOCK_K = max(group_block, min(K_block, MAX_BLOCK_K))
-        BLOCK_N = max(1, ONE_ROW_TILE // (weights * BLOCK_K))
+        BLOCK_N = max(1, ONE_ROW_TILE // BLOCK_K)
         while BLOCK_N > 1 and _cdiv(N, BLOCK_N) < PROGRAMS_TO_FILL:
             BLOCK_N //= 2
-        return 1, BLOCK_N, BLOCK_K, 2 * element_bytes, 1
-    BLOCK_N = 32 if weights == 1 and _cdiv(N, 32) >= PROGRAMS_TO_FILL // 2 else 16
-    BLOCK_K = max(group_block, min(K_block, DOT_BLOCK_K * 2 // (weights * element_bytes)))
-    return DOT_BLOCK_M, BLOCK_N, BLOCK_K, 4, DOT_STAGES
+        return 1, BLOCK_N, BLOCK_K, 8 if gated else 2 * element_bytes, 1
+    chunk = DOT_BLOCK_K * 2 // element_bytes // (1 if weights == 1 else 4)
+    BLOCK_K = max(group_block, min(K_block, max(16, chunk)))
+    return DOT_BLOCK_M, DOT_BLOCK_N, BLOCK_K, 4, GATED_DOT_STAGES if gated else DOT_STAGES
 
 
 def _check_no_grad(*tensors):
@@ -244,7 +284,7 @@ def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, head_d
         grid = (_cdiv(N, constexprs["BLOCK_N"]), _cdiv(M, constexprs["BLOCK_M"]))
         _gemv_kernel[grid](rows, gate, norm_weight, weight, up_weight, residual, y, M, N, K, K_span, rows.stride(0),
                            0 if gate is None else gate.stride(0), 0 if residual is None else residual.stride(0), eps,
-                           **constexprs, num_warps=warps, num_stages=stages)
+                           **constexprs, **programmatic_launch(x), num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], N)
 
 

@@ -2,7 +2,8 @@
 
 `_Launcher` wraps each @triton.jit kernel so that repeated launches skip Triton's per-launch
 argument analysis; `_on_inputs_device` runs a launcher on its inputs' GPU; `_cdiv` and
-`_next_power_of_2` are the host's tile arithmetic. The other kernels_reslin_triton_* modules
+`_next_power_of_2` are the host's tile arithmetic; `programmatic_launch` and
+`_wait_for_previous_kernel` overlap the dependent kernels of a generation step. The other kernels_reslin_triton_* modules
 take `triton` and `tl` from here, so that the reason for the guarded import is written once.
 """
 
@@ -126,6 +127,41 @@ def _specialisation(arg):
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
     return float if isinstance(arg, float) else arg
+
+
+# Programmatic dependent launch (PDL, sm_90 and later). A generation step is ~170 dependent kernels
+# of a few microseconds each; between two of them the GPU idles through the second's launch and
+# first loads (~1.5 us each, 2026-12-05 on an H100). A kernel launched with PDL starts while the
+# kernel before it still runs, loads what no kernel writes (its weights) and then waits in each
+# program, at `_wait_for_previous_kernel`, for that kernel's end and writes. Off until a GPU run
+# measures it (DEVELOPMENT.md, "GPU runs waiting").
+PROGRAMMATIC_LAUNCH = False
+
+
+@functools.cache
+def _capability(device_index):
+    return torch.cuda.get_device_capability(device_index)
+
+
+def programmatic_launch(x):
+    """The launch options of the step's kernels for tensors like x: {"PDL": whether they launch
+    with PDL}, and Triton's `launch_pdl` when they do (CUDA on sm_90 and later, not the
+    interpreter, PROGRAMMATIC_LAUNCH on)."""
+    if PROGRAMMATIC_LAUNCH and x.is_cuda and _capability(x.device.index)[0] >= 9:
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def _wait_for_previous_kernel(PDL: tl.constexpr):
+    """Under PDL, each program waits here for the previous kernel of the stream to end (its
+    writes visible), then lets the next kernel launch. Every program must pass here before it
+    writes anything or ends: the next kernel's programs then start only once this one's previous
+    kernel has ended, so that every kernel before the one just before it has ended too. Nothing
+    that kernel writes may be read before."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _on_inputs_device(launcher):

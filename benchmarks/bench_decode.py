@@ -22,7 +22,7 @@ pass the L2 cache twice (a graph takes as many calls as there are copies, if mor
 step reads and writes (S, and R for the residual rules, each read and written once) is set against
 the device-to-device copy bandwidth measured at the start (bytes read + written / time).
 
-    python benchmarks/bench_decode.py [--heads 8 16] [--dim 128] [--batches 1 16 64] [--rules ...]
+    python benchmarks/bench_decode.py [--heads 8 16] [--dim 128] [--batches 1 16 64] [--rules ...] [--pdl]
     python benchmarks/bench_decode.py --smoke   # tiny sizes, Triton's CPU interpreter in fp32, eager timing
 """
 
@@ -34,6 +34,7 @@ import torch
 from common import (DEVICE, DTYPE, RULES, copies_past_l2, import_fla, median_ms, print_header, rule_inputs,
                     us_per_call)
 from kernels_reslin import reslin_decode_step
+import kernels_reslin_triton_launch as launch
 
 
 def copy_bandwidth(nbytes=2**31):
@@ -102,6 +103,8 @@ def main(argv=None):
     parser.add_argument("--calls-per-graph", type=int, default=20,
                         help="steps captured back to back in one graph (a model's step has one a layer)")
     parser.add_argument("--repeats", type=int, help="replays timed, the median printed; default 10 (--smoke: 2)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="ours under programmatic dependent launch (kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script itself (runs on a CPU)")
     args = parser.parse_args(argv)
     smoke = args.smoke
@@ -114,8 +117,10 @@ def main(argv=None):
     fla = import_fla()
     flashinfer, flashinfer_missing = import_flashinfer_gdn()
     copy_bw = copy_bandwidth(copy_bytes)
+    launch.PROGRAMMATIC_LAUNCH = args.pdl
     print_header(f"decode step, Dk = Dv = {args.dim}, {str(DTYPE).removeprefix('torch.')} inputs, fp32 states "
-                 f"(but where named); copy bandwidth {copy_bw / 1e12:.3g} TB/s (read + write)")
+                 f"(but where named); copy bandwidth {copy_bw / 1e12:.3g} TB/s (read + write)"
+                 + ("; ours under programmatic dependent launch" if args.pdl else ""))
     print(f"FlashInfer {flashinfer_missing or 'gdn_decode imported'}")
     print(f"{'kernel':42} {'H':>3} {'B':>3} {'us/step':>8} {'state MB':>9} {'TB/s':>6} {'% copy':>7} "
           f"{'ours gdn / it':>13}")

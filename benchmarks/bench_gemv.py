@@ -15,7 +15,7 @@ The calls cycle through enough copies of the weights to pass the GPU's L2 cache 
 an H200) twice, as a model's layers do (a graph takes as many calls as there are copies, if more
 than CALLS): one matrix read again and again would stay in L2 and time its bandwidth, not HBM's.
 
-    python benchmarks/bench_gemv.py [--shapes 400M 1.3B] [--rows 1 4 16] [--calls 50]
+    python benchmarks/bench_gemv.py [--shapes 400M 1.3B] [--rows 1 4 16] [--calls 50] [--pdl]
     python benchmarks/bench_gemv.py --sweep --shapes 400M --rows 1 16 --calls 20 --replays 10 \
         --entry-points rms_norm_linear gated_rms_norm_linear   # other tiles, to tune gemv_launch
     python benchmarks/bench_gemv.py --smoke   # tiny sizes on a CPU (Triton's interpreter): checks the script runs
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from common import DEVICE, DTYPE, copies_past_l2, print_header, us_per_call
 import kernels_reslin_triton_gemv as gemv
+import kernels_reslin_triton_launch as launch
 import kernels_reslin_triton_layers as layers
 
 EPS = 1e-6
@@ -103,14 +104,15 @@ def rel_err(x, ref):
 
 
 def sweep_tiles(rows, N, K_span, group_block, weights):
-    """Launch tiles to try besides gemv_launch's: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    """Launch tiles to try besides gemv_launch's: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). From
+    two rows on, the one-row tiles too, a program a row: the weight read once from memory, and from
+    L2 for the other rows."""
     K_block = max(16, 1 << (K_span - 1).bit_length())
-    if rows == 1:
-        tiles = [(1, n, k, w, 1) for n in (1, 2, 4, 8) for k in (512, 1024, 2048, 4096) for w in (4, 8)
-                 if k <= K_block and n * k * weights <= 16384]
-    else:
-        tiles = [(16, n, k, 4, s) for n in (16, 32, 64) for k in (64, 128, 256) for s in (2, 3, 4)
-                 if k <= K_block and n * k * weights <= 8192]
+    tiles = [(1, n, k, w, 1) for n in (1, 2, 4, 8) for k in (512, 1024, 2048, 4096) for w in (4, 8)
+             if k <= K_block and n * k * weights <= 16384]
+    if rows > 1:
+        tiles += [(16, n, k, 4, s) for n in (16, 32, 64) for k in (64, 128, 256) for s in (2, 3, 4)
+                  if k <= K_block and n * k * weights <= 8192]
     return [tile for tile in tiles if tile[2] >= group_block]
 
 
@@ -123,13 +125,17 @@ def main(argv=None):
                         help="calls captured in one CUDA graph (at least one a copy of the weights)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also ours under other launch tiles")
+    parser.add_argument("--pdl", action="store_true",
+                        help="ours under programmatic dependent launch (kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a call a replay (for a CPU)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shapes, args.calls, args.replays = ["smoke"], 1, 1
     elif DEVICE != "cuda":
         parser.error("times a GPU's CUDA graphs: on a CPU only --smoke runs")
-    print_header(f"fused GEMV products against the unfused path, {DTYPE}, {args.calls} calls a CUDA graph")
+    launch.PROGRAMMATIC_LAUNCH = args.pdl
+    print_header(f"fused GEMV products against the unfused path, {DTYPE}, {args.calls} calls a CUDA graph"
+                 + (", ours under programmatic dependent launch" if args.pdl else ""))
     print(f"{'entry point':22} {'shape':5} {'rows':>4} {'ours us':>8} {'GB/s':>6} {'unfused us':>10} {'GB/s':>6} "
           f"{'ratio':>6} {'rel err':>8}  ours' tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)")
     with torch.no_grad():

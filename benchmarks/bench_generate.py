@@ -12,7 +12,8 @@ For every batch size in --batches, each model generates greedily after the same 
 --prompt-tokens tokens, min_new_tokens = max_new_tokens = --new-tokens (EOS cannot stop it), after
 a warm-up generate (compilation, autotuning, graph capture). Ours runs twice a batch, in one
 process: with its default loop ("fast", config.generate_fast_path = True) and with transformers'
-loop ("hf", generate_fast_path = False).
+loop ("hf", generate_fast_path = False); with --loops, also "pdl", the default loop with the
+step's kernels under programmatic dependent launch (kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH).
 
 A row, where a step is one new token for every row of the batch:
   tok/s, us/step  the decode alone: (N - 1) new tokens x B / (time of generate(N) - time of
@@ -35,13 +36,15 @@ A row, where a step is one new token for every row of the batch:
                   other rule within 15% of gdn's tok/s
 --top K lists under each row the K operations with the most GPU time a step.
 
-    python benchmarks/bench_generate.py [--shape 400m|1.3b] [--batches 1 16] [--rules ...] [--no-fla] [--top 12]
+    python benchmarks/bench_generate.py [--shape 400m|1.3b] [--batches 1 16] [--rules ...] [--loops fast hf pdl]
+                                        [--no-fla] [--top 12]
     python benchmarks/bench_generate.py --smoke   # a tiny model and few tokens; runs on a CPU (torch backend, fp32)
 """
 
 import argparse
 import collections
 import dataclasses
+import importlib
 import statistics
 import time
 
@@ -89,8 +92,15 @@ def parameters(model):
     return f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"
 
 
-# (label, config.generate_fast_path) of the loops each model of ours runs: the default loop first.
-LOOPS = [("fast", True), ("hf", False)]
+# label: (config.generate_fast_path, kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH) of the loops
+# a model of ours may run (--loops); "fast" is the default loop, whose row the goals read.
+LOOPS = {"fast": (True, False), "hf": (False, False), "pdl": (True, True)}
+
+
+def launch_module(model):
+    """The kernels_reslin_triton_launch module beside the model's own modeling module (remote code
+    loads its own copy)."""
+    return importlib.import_module(type(model).__module__.rpartition(".")[0] + ".kernels_reslin_triton_launch")
 
 
 def weight_read_bytes(model, batch):
@@ -283,6 +293,8 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rules", nargs="+", choices=list(RULES), default=["gdn", "kla", "rla", "rdn", "sgla", "rkla"])
     parser.add_argument("--repeats", type=int, default=3, help="calls timed a measure, the median kept")
+    parser.add_argument("--loops", nargs="+", choices=list(LOOPS), default=["fast", "hf"],
+                        help="our loops to time, fast first where given (pdl: fast with programmatic dependent launch)")
     parser.add_argument("--no-fla", action="store_true", help="leave FLA's generate out (the longest part of a run)")
     parser.add_argument("--top", type=int, default=0, help="list the TOP operations by GPU time a step under each row")
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"],
@@ -320,14 +332,16 @@ def main(argv=None):
         torch.manual_seed(0)
         model = load()
         sizes.append(f"{name} {parameters(model)}")
-        model_loops = [("eager", None)] if name == "FLA gdn" else LOOPS
+        model_loops = ["eager"] if name == "FLA gdn" else args.loops
         for B in args.batches:
             weights, states = weight_read_bytes(model, B), state_bytes(model, prompts[B])
-            for loop, fast_path in model_loops:
-                if fast_path is not None:
-                    model.config.generate_fast_path = fast_path
+            for loop in model_loops:
+                if loop in LOOPS:
+                    model.config.generate_fast_path, pdl = LOOPS[loop]
+                    if DEVICE == "cuda" or pdl:  # (on a CPU the torch backend: no launch module)
+                        launch_module(model).PROGRAMMATIC_LAUNCH = pdl
                 measured = measure(model, prompts[B], args.new_tokens, args.repeats, whole_repeats)
-                table.row(name, loop, model_loops[0][0], B, measured, weights, states)
+                table.row(name, loop, "fast" if loop in LOOPS else "eager", B, measured, weights, states)
         del model
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

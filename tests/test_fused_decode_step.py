@@ -4,10 +4,12 @@ unfused forward: the same hidden states and cache states, step after step.
 On a CPU the fused kernels run in Triton's interpreter in fp32 and are called directly (the model
 takes the fused step on CUDA only): hidden states within 1e-4, states within 1e-5. On the GPU
 (`pytest -m gpu`) the model's own switch compares the two paths in bf16 at the 400M block shape:
-hidden states within 2e-2 relative to their scale, greedy tokens equal.
+hidden states within 2e-2 relative to their scale, greedy tokens equal; and programmatic
+dependent launch (kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH) changes no bit.
 """
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -88,3 +90,28 @@ class TestOnGPU:
             monkeypatch.setattr(reslin.modeling, "FUSED_DECODE_STEP", fused)
             outputs.append(model.generate(ids, max_new_tokens=48, do_sample=False))
         assert torch.equal(*outputs)
+
+    @pytest.mark.parametrize("mixer_name", ["gdn", "rdn", "kla"])
+    @pytest.mark.parametrize("batch", [1, 16])
+    @torch.no_grad()
+    def test_programmatic_launch_changes_no_bit(self, reslin, mixer_name, batch, monkeypatch):
+        """PDL changes when the step's kernels start, not what they compute: the same tokens and
+        states, bit for bit, through generate's own loop (CUDA graphs) and transformers' (eager).
+        At batch 1 the GEMVs load weights before their wait; at 16 they wait first (tl.dot)."""
+        if torch.cuda.get_device_capability()[0] < 9:
+            pytest.skip("programmatic dependent launch needs sm_90 or later")
+        launch = importlib.import_module("reslin_repo.kernels_reslin_triton_launch")
+        model = build_model(mixer_name, hidden_size=1024, num_heads=8, head_dim=128, intermediate_size=2816,
+                            num_hidden_layers=4).to("cuda", torch.bfloat16)
+        ids = torch.randint(3, 100, (batch, 64), device="cuda")
+        for fast_path in (True, False):
+            model.config.generate_fast_path = fast_path
+            outputs = {}
+            for pdl in (False, True):
+                monkeypatch.setattr(launch, "PROGRAMMATIC_LAUNCH", pdl)
+                assert launch.programmatic_launch(ids)["PDL"] == pdl
+                outputs[pdl] = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                                              return_dict_in_generate=True)
+            assert torch.equal(outputs[True].sequences, outputs[False].sequences)
+            for a, b in zip(state_tensors(cache_of(outputs[True])), state_tensors(cache_of(outputs[False]))):
+                assert torch.equal(a, b)

@@ -34,33 +34,34 @@ class _OnCuda(torch.Tensor):
 class _Recorder:
     """Triton's launch path, `kernel[grid](...)`, and the binaries it returns."""
 
-    def __init__(self, scratch=0):
+    def __init__(self, scratch=0, pdl=False):
         self.launches = []
         self.scratch = scratch
+        self.pdl = pdl  # whether the binaries were compiled with launch_pdl
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches.append(("triton", grid, args, kwargs))
-            return _Binary(self, self.scratch)
+            return _Binary(self, self.scratch, self.pdl)
         return launch
 
 
-def _runner(c_launch, scratch=0):
+def _runner(c_launch, scratch=0, pdl=False):
     """The installed release's CudaLauncher (a binary's `run`) around the C launcher `c_launch`,
     with the attributes its constructor would read from a compiled kernel."""
     runner = object.__new__(CudaLauncher)
     vars(runner).update(launch=c_launch, num_ctas=1, global_scratch_size=scratch, global_scratch_align=1,
                         profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False,
-                        launch_pdl=False, arg_annotations="annotations", kernel_signature=b"signature")
+                        launch_pdl=pdl, arg_annotations="annotations", kernel_signature=b"signature")
     return runner
 
 
-def _tritons_c_arguments(grid, stream, args):
+def _tritons_c_arguments(grid, stream, args, pdl=False):
     """What the release's own runner passes the C launcher for a launch of `args` (as
     CompiledKernel.__getitem__ calls it, no profiler hooked)."""
     passed = []
-    _runner(lambda *c_args: passed.append(c_args))(*grid, stream, "function", _Binary.packed_metadata, None, None,
-                                                    None, *args)
+    _runner(lambda *c_args: passed.append(c_args), pdl=pdl)(*grid, stream, "function", _Binary.packed_metadata, None,
+                                                             None, None, *args)
     return passed[0]
 
 
@@ -69,13 +70,14 @@ class _Binary(triton.compiler.CompiledKernel):
     recording its own."""
     function, packed_metadata = "function", (4, 1, 0)
 
-    def __init__(self, recorder, scratch):
+    def __init__(self, recorder, scratch, pdl):
         self.recorder = recorder
         self.scratch = scratch
+        self.pdl = pdl
 
     @property
     def run(self):
-        return _runner(self._c_launch, self.scratch)
+        return _runner(self._c_launch, self.scratch, self.pdl)
 
     def _c_launch(self, *args):
         self.recorder.launches.append(("binary", args))
@@ -109,6 +111,27 @@ def test_a_specialisation_launches_its_binary_after_the_first_launch(launcher):
     assert launcher.kernel.launches[1][1] == _tritons_c_arguments((8, 2, 1), 7, (x, 64, 0.25, 16, 2.0))
 
 
+def test_a_programmatic_launch_reaches_the_binary_as_tritons_runner_passes_it(launcher):
+    launcher.kernel = _Recorder(pdl=True)  # binaries compiled with launch_pdl
+    x = torch.zeros(64).as_subclass(_OnCuda)
+    for _ in range(2):
+        launcher[(4,)](x, 64, 0.5, BLOCK=16, FACTOR=2.0, launch_pdl=True)
+    assert _paths(launcher) == ["triton", "binary"]
+    assert launcher.kernel.launches[0][3]["launch_pdl"] is True  # Triton's first launch compiled with it
+    assert launcher.kernel.launches[1][1] == _tritons_c_arguments((4, 1, 1), 7, (x, 64, 0.5, 16, 2.0), pdl=True)
+
+
+def test_programmatic_launch_only_on_cuda_from_sm90_and_when_switched_on(monkeypatch):
+    on_cuda = torch.zeros(4).as_subclass(_OnCuda)
+    monkeypatch.setattr(kernels_reslin_triton_launch, "_capability", lambda index: (9, 0))
+    assert kernels_reslin_triton_launch.programmatic_launch(on_cuda) == {"PDL": False}  # switched off
+    monkeypatch.setattr(kernels_reslin_triton_launch, "PROGRAMMATIC_LAUNCH", True)
+    assert kernels_reslin_triton_launch.programmatic_launch(on_cuda) == {"PDL": True, "launch_pdl": True}
+    assert kernels_reslin_triton_launch.programmatic_launch(torch.zeros(4)) == {"PDL": False}  # interpreter
+    monkeypatch.setattr(kernels_reslin_triton_launch, "_capability", lambda index: (8, 0))
+    assert kernels_reslin_triton_launch.programmatic_launch(on_cuda) == {"PDL": False}  # no griddepcontrol
+
+
 def test_a_profilers_launch_hooks_take_tritons_runner(launcher, monkeypatch):
     x = torch.zeros(64).as_subclass(_OnCuda)
     launcher[(4,)](x, 64, 0.5, BLOCK=16, FACTOR=2.0)
@@ -125,7 +148,8 @@ def test_a_kernel_needing_scratch_memory_takes_tritons_runner(launcher):
     assert _paths(launcher) == ["triton", "runner"]
 
 
-@pytest.mark.parametrize("change", ["integer", "constexpr", "constexpr float", "option", "dtype", "alignment"])
+@pytest.mark.parametrize("change", ["integer", "constexpr", "constexpr float", "option", "pdl", "dtype",
+                                    "alignment"])
 def test_whatever_a_compiled_kernel_depends_on_makes_a_new_key(launcher, change):
     x = torch.zeros(64).as_subclass(_OnCuda)
     launch = dict(args=(x, 64, 0.5), kwargs=dict(BLOCK=16, FACTOR=2.0, num_warps=4))
@@ -138,6 +162,8 @@ def test_whatever_a_compiled_kernel_depends_on_makes_a_new_key(launcher, change)
         launch["kwargs"]["FACTOR"] = 3.0
     elif change == "option":
         launch["kwargs"]["num_warps"] = 8
+    elif change == "pdl":
+        launch["kwargs"]["launch_pdl"] = True
     elif change == "dtype":
         launch["args"] = (x.to(torch.float16), 64, 0.5)
     else:  # 4 bytes past a 16-byte boundary

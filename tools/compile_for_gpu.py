@@ -133,9 +133,10 @@ def layer_launches():
     # A generation step's inputs (decode_inputs): heads of 128 and 256, and the shortest window.
     for head_size, K in ((128, 4), (256, 4), (128, 2)):
         blocks, decode_warps = decode_kernels.decode_inputs_launch(head_size, head_size, 1, K)
-        variants += [(decode_kernels._decode_inputs_kernel, dict(blocks, RESIDUAL=residual, KACZMARZ=kaczmarz),
+        variants += [(decode_kernels._decode_inputs_kernel,
+                      dict(blocks, RESIDUAL=residual, KACZMARZ=kaczmarz, PDL=pdl),
                       (() if residual else ("gamma_ptr",)) + (() if residual and kaczmarz else ("gamma_write_ptr",)),
-                      decode_warps) for residual in (False, True) for kaczmarz in (False, True)]
+                      decode_warps) for residual in (False, True) for kaczmarz in (False, True) for pdl in (False, True)]
     return variants
 
 
@@ -164,7 +165,7 @@ GEMV_SHAPES = [(name, K, N, norm, head_dim, swiglu, residual)
                    ("linear_residual", inner, hidden, "none", None, False, True))]
 
 
-def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, dtype):
+def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, dtype, pdl):
     """`_gemv_kernel` as `kernels_reslin_triton_gemv` launches it for M contiguous rows: every
     tensor in the input's dtype (a model's norm weights too), integers specialised as a launch
     specialises them (equal to 1: a constant; multiples of 16 marked so)."""
@@ -177,7 +178,7 @@ def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, dtype):
                    residual_ptr=residual)
     sizes = dict(M=M, N=N, K=K, K_SPAN=K_span, x_stride=K, gate_stride=K if norm == "gated_heads" else 0,
                  residual_stride=N if residual else 0)
-    constexprs = {**constexprs, **{name: None for name, here in present.items() if not here},
+    constexprs = {**constexprs, "PDL": pdl, **{name: None for name, here in present.items() if not here},
                   **{name: 1 for name, size in sizes.items() if size == 1}}
     signature = {name: "constexpr" if name in constexprs else pointer_type if name.endswith("_ptr") else
                  "fp32" if name == "eps" else "i32" for name in params}
@@ -268,13 +269,14 @@ def main():
             failures += report(label, lambda: compile_layer_variant(fn, constexprs, absent, pointer_type, warps),
                                args.registers)
         for name, K, N, norm, head_dim, swiglu, residual in GEMV_SHAPES:
-            for M in (1, 16):
+            for M, pdl in ((1, False), (1, True), (16, False), (16, True)):  # PDL: programmatic_launch
                 _, constexprs, warps, stages = gemv_kernels.gemv_config(
                     M, N, K, DTYPES[dtype][0].primitive_bitwidth // 8, norm, head_dim, swiglu, residual)
                 blocks = " ".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-                label = f"_gemv_kernel {name:22s} {dtype} M{M} K{K} N{N} {blocks} warps={warps} stages={stages}"
+                label = (f"_gemv_kernel {name:22s} {dtype} M{M} K{K} N{N} {blocks} warps={warps} stages={stages}"
+                         f"{' PDL' if pdl else ''}")
                 failures += report(label, lambda: compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual,
-                                                                       dtype)[0], args.registers)
+                                                                       dtype, pdl)[0], args.registers)
     print(f"{failures} variant(s) failed")
     sys.exit(1 if failures else 0)
 

@@ -37,10 +37,13 @@
 #                bench_forward options in $GRAPHS_ARGS ("--rules sgla rla --shapes 8x2048", "--backward")
 #                (540). For changes that show only replayed (launch overlap, PDL): kernel_variants
 #                times kernels and eager calls.
-#   gemv         benchmarks/bench_gemv.py: the fused GEMVs beside the unfused step's kernels, replayed (300)
-#   decode       benchmarks/bench_decode.py: our decode step beside FLA's and FlashInfer's, those that import (240)
+#   gemv         benchmarks/bench_gemv.py: the fused GEMVs beside the unfused step's kernels, replayed; more
+#                options in $GEMV_ARGS ("--pdl", "--sweep") (300)
+#   decode       benchmarks/bench_decode.py: our decode step beside FLA's and FlashInfer's, those that import;
+#                more options in $DECODE_ARGS ("--pdl") (240)
 #   generate     benchmarks/bench_generate.py, the 400m shape: every rule, both loops, FLA's generate beside;
-#                more options in $GENERATE_ARGS ("--rules gdn --no-fla", "--top 12") (570: the rows print as measured)
+#                more options in $GENERATE_ARGS ("--rules gdn --no-fla", "--loops fast pdl", "--top 12") (570: the
+#                rows print as measured)
 #   generate-1.3b  the same at the 1.3b shape (570)
 #   training     benchmarks/bench_training.py (600)
 #   compile      benchmarks/bench_compile.py: train.py's step eager and compiled (--compile) (420)
@@ -140,8 +143,8 @@ for name in "$@"; do
         echo "== $name"
         python3 benchmarks/bench_forward.py --graphs ${GRAPHS_ARGS:-}
       done' ;;
-    gemv) job gemv 300 python3 benchmarks/bench_gemv.py ;;
-    decode) job decode 240 python3 benchmarks/bench_decode.py ;;
+    gemv) job gemv 300 python3 benchmarks/bench_gemv.py ${GEMV_ARGS:-} ;;
+    decode) job decode 240 python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} ;;
     generate) job generate 570 python3 benchmarks/bench_generate.py ${GENERATE_ARGS:-} ;;
     generate-1.3b) job generate-1.3b 570 python3 benchmarks/bench_generate.py --shape 1.3b ${GENERATE_ARGS:-} ;;
     training) job training 600 python3 benchmarks/bench_training.py ;;
