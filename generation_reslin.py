@@ -63,10 +63,17 @@ class ResLinDecodeGraph:
         self.weights = model.get_input_embeddings().weight.data_ptr()
         self.inputs = tuple(x.clone() for x in inputs)
         self.graph = torch.cuda.CUDAGraph()
-        # thread_local, as torch.compile's CUDA graphs: CUDA work of other threads (another
-        # generation, say) neither breaks the capture nor is refused during it.
-        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
-            self.output = step(*self.inputs)
+        # Captured as torch.cuda.graph captures, less its torch.cuda.empty_cache(): that hands every
+        # cached block back to the driver, and a generate call, which captures once, would pay the
+        # frees and then the mallocs of its next steps' tensors. thread_local, as torch.compile's
+        # CUDA graphs: CUDA work of other threads (another generation, say) neither breaks the
+        # capture nor is refused during it.
+        with torch.cuda.stream(stream):
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.output = step(*self.inputs)
+            finally:
+                self.graph.capture_end()
 
     @classmethod
     def capture(cls, model, step, *inputs):
