@@ -30,6 +30,15 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+# Inside a try block: without Triton the torch code chooses the tokens (see kernels_reslin_triton_launch).
+try:
+    try:
+        from .kernels_reslin_triton_choice import MAX_ROWS as GREEDY_CHOICE_MAX_ROWS, greedy_choice
+    except ImportError:
+        from kernels_reslin_triton_choice import MAX_ROWS as GREEDY_CHOICE_MAX_ROWS, greedy_choice
+except ImportError:
+    greedy_choice = GREEDY_CHOICE_MAX_ROWS = None
+
 # transformers 5.24 renamed the outputs' `past_key_values` field to `cache`; generate reads the
 # cache back under the name its own output classes declare.
 CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
@@ -43,6 +52,9 @@ TOKENS_PER_SYNC = 16
 SCORE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 # Options whose outputs the loop does not collect.
 PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# Greedy choice on CUDA in two Triton launches (kernels_reslin_triton_choice) where the torch code
+# takes ten to twenty; False: the torch code everywhere.
+FUSED_GREEDY_CHOICE = True
 
 
 class ResLinDecodeGraph:
@@ -204,7 +216,7 @@ class DeviceDecoding:
         batch_size, length = input_ids.shape
         new_tokens = max(self.max_length - length, 1)  # transformers' loop always chooses one
         steps = _Steps(self, model, cache, batch_size, length, new_tokens, device)
-        steps.choose(outputs.logits[:, -1].to(dtype=torch.float32, device=device))
+        steps.choose(outputs.logits[:, -1].to(device=device))
         del outputs  # the prompt's logits
         produced, finished = steps.read(0, 1, streamer)
         saved = None
@@ -263,13 +275,27 @@ class _Steps:
         self.processors = [processor if not isinstance(processor, tuple)
                            else (processor[0] - length, torch.isin(vocabulary, processor[1].to(device)))
                            for processor in decoding.processors]
+        # The fused greedy choice takes the minimum lengths as (column, the position it is masked until).
+        self.fused_choice = (FUSED_GREEDY_CHOICE and greedy_choice is not None and device.type == "cuda"
+                             and not decoding.do_sample and batch_size <= GREEDY_CHOICE_MAX_ROWS
+                             and all(isinstance(processor, tuple) for processor in decoding.processors))
+        minimum_lengths = [(minimum, ids.to(device).flatten()) for minimum, ids in
+                           (processor for processor in decoding.processors if isinstance(processor, tuple))]
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        self.masked_ids = torch.cat([ids for _, ids in minimum_lengths] + [none])
+        self.masked_until = torch.cat([torch.full_like(ids, minimum - length) for minimum, ids in minimum_lengths]
+                                      + [none])
         self.graph = None
         self.use_graph = graph_can_run(model, cache, device)
 
     def choose(self, logits):
-        """The next token of every row from its logits [B, V] in fp32, as transformers' loop
-        chooses it, written to `sequences` and to the next step's input."""
-        scores = logits
+        """The next token of every row from its logits [B, V] on the device, as transformers' loop
+        chooses it (from the logits in fp32), written to `sequences` and to the next step's input."""
+        if self.fused_choice:
+            greedy_choice(logits, self.masked_ids, self.masked_until, self.eos_token_id, self.pad_token_id,
+                          self.unfinished, self.sequences, self.any_unfinished, self.token, self.position)
+            return
+        scores = logits.to(torch.float32)
         for processor in self.processors:
             if isinstance(processor, tuple):
                 min_new_tokens, eos_mask = processor
@@ -308,8 +334,7 @@ class _Steps:
 
     def step(self):
         hidden_states = self.advance(self.token)
-        logits = self.model.lm_head(hidden_states[:, -1:])[:, -1]
-        self.choose(logits.to(dtype=torch.float32, device=self.device))
+        self.choose(self.model.lm_head(hidden_states[:, -1:])[:, -1].to(device=self.device))
 
     def run(self):
         """One step: from the graph once captured (its capture's warm-up is the first step)."""

@@ -59,6 +59,7 @@ try:
     try:
         from .kernels_reslin_triton import chunk_attention  # noqa: F401
         from .kernels_reslin_triton_backward import chunk_backward  # noqa: F401
+        from .kernels_reslin_triton_choice import greedy_choice  # noqa: F401
         from .kernels_reslin_triton_common import TRITON_DTYPES  # noqa: F401
         from .kernels_reslin_triton_decode import decode_inputs
         from .kernels_reslin_triton_forward import chunk_forward  # noqa: F401

@@ -35,6 +35,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import kernels_reslin_triton_backward  # noqa: E402
+import kernels_reslin_triton_choice as choice_kernels  # noqa: E402
 import kernels_reslin_triton_decode as decode_kernels  # noqa: E402
 import kernels_reslin_triton_forward  # noqa: E402
 import kernels_reslin_triton_gemv as gemv_kernels  # noqa: E402
@@ -186,6 +187,34 @@ def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, dtype, pdl):
     return compile_for_sm90(fn, signature, constexprs, aligned, warps, stages), constexprs, warps, stages
 
 
+def choice_variants(pointer_type):
+    """(label, compile) of the greedy choice's two kernels (kernels_reslin_triton_choice) as
+    greedy_choice launches them for logits of pointer_type: without and with minimum lengths and
+    end-of-sequence ids, for one and sixteen rows of a 32000-column vocabulary."""
+    parts = -(-32000 // choice_kernels.PART_COLUMNS)
+    argmax = choice_kernels._part_argmax_kernel
+    bookkeeping = choice_kernels._bookkeeping_kernel
+    variants = []
+    for n in (0, 2):
+        signature = dict(logits_ptr=pointer_type, row_stride="i32", V="i32", masked_ids_ptr="*i64",
+                         masked_until_ptr="*i64", position_ptr="*i64", part_value_ptr="*fp32", part_index_ptr="*i64",
+                         PARTS="i32", N_MASKED="constexpr", BLOCK="constexpr")
+        variants.append((f"_part_argmax_kernel            {pointer_type} N_MASKED={n}", lambda n=n, signature=signature:
+                         compile_for_sm90(argmax, signature, dict(N_MASKED=n, BLOCK=choice_kernels.PART_COLUMNS),
+                                          [name for name in signature if name.endswith("_ptr")], 4, 1)))
+    for n_eos in (0, 2):
+        for rows in (1, 16):
+            signature = dict(part_value_ptr="*fp32", part_index_ptr="*i64", PARTS="i32", B="i32", eos_ids_ptr="*i64",
+                             pad_id_ptr="*i64", unfinished_ptr="*i1", sequences_ptr="*i64", sequences_stride="i32",
+                             any_unfinished_ptr="*i1", token_ptr="*i64", position_ptr="*i64", N_EOS="constexpr",
+                             BLOCK_B="constexpr", BLOCK_P="constexpr")
+            constexprs = dict(N_EOS=n_eos, BLOCK_B=rows, BLOCK_P=1 << (parts - 1).bit_length())
+            variants.append((f"_bookkeeping_kernel            N_EOS={n_eos} BLOCK_B={rows}",
+                             lambda signature=signature, constexprs=constexprs: compile_for_sm90(
+                                 bookkeeping, signature, constexprs, [n for n in signature if n.endswith("_ptr")], 4, 1)))
+    return variants
+
+
 def registers(compiled):
     """ptxas's register and spill report for the compiled variant (Triton bundles ptxas), e.g.
     "117 registers, 0 bytes spill stores": spills cost local-memory traffic in a hot loop."""
@@ -262,6 +291,8 @@ def main():
                                                                      dtype == "fp32"))
                         failures += report(label, lambda: compile_variant(fn, constexprs, pointer_type, warps, stages,
                                                                           head_size, maxnreg), args.registers)
+        for label, compile_choice in [] if args.gemv_only or dtype == "fp32" else choice_variants(pointer_type):
+            failures += report(label, compile_choice, args.registers)
         for fn, constexprs, absent, warps in [] if args.gemv_only else layer_launches():
             flags = " ".join(f"{k}={v}" for k, v in constexprs.items()
                              if isinstance(v, bool) or k in ("BLOCK_N", "BK", "K"))
