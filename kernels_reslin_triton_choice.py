@@ -15,9 +15,11 @@ their own dtype: their cast to fp32 is exact, so the order and the ties are the 
 import torch
 
 try:
-    from .kernels_reslin_triton_launch import _cdiv, _Launcher, _next_power_of_2, _on_inputs_device, tl, triton
+    from .kernels_reslin_triton_launch import (_cdiv, _Launcher, _next_power_of_2, _on_inputs_device,
+                                               _wait_for_previous_kernel, programmatic_launch, tl, triton)
 except ImportError:
-    from kernels_reslin_triton_launch import _cdiv, _Launcher, _next_power_of_2, _on_inputs_device, tl, triton
+    from kernels_reslin_triton_launch import (_cdiv, _Launcher, _next_power_of_2, _on_inputs_device,
+                                              _wait_for_previous_kernel, programmatic_launch, tl, triton)
 
 # Columns a program scans: the 32000 of a 400M model's vocabulary in 16 programs a row, each one
 # round of loads.
@@ -46,8 +48,9 @@ def _first_largest(values, indices, axis: tl.constexpr):
 @triton.jit
 def _part_argmax_kernel(logits_ptr, row_stride, V, masked_ids_ptr, masked_until_ptr, position_ptr,
                         part_value_ptr, part_index_ptr, PARTS,
-                        N_MASKED: tl.constexpr, BLOCK: tl.constexpr):
+                        N_MASKED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (b, p): the first largest score of row b in columns p * BLOCK onwards."""
+    _wait_for_previous_kernel(PDL)
     b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = p * BLOCK + tl.arange(0, BLOCK)
     scores = tl.load(logits_ptr + b * row_stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
@@ -64,8 +67,9 @@ def _part_argmax_kernel(logits_ptr, row_stride, V, masked_ids_ptr, masked_until_
 @triton.jit
 def _bookkeeping_kernel(part_value_ptr, part_index_ptr, PARTS, B, eos_ids_ptr, pad_id_ptr, unfinished_ptr,
                         sequences_ptr, sequences_stride, any_unfinished_ptr, token_ptr, position_ptr,
-                        N_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
+                        N_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     """One program: each row's token from its parts, then what `_Steps.choose` writes."""
+    _wait_for_previous_kernel(PDL)
     rows = tl.arange(0, BLOCK_B)
     parts = tl.arange(0, BLOCK_P)
     row_ok = rows < B
@@ -114,9 +118,9 @@ def greedy_choice(logits, masked_ids, masked_until, eos_ids, pad_id, unfinished,
     n_masked = masked_ids.numel()
     _part_argmax_kernel[(B, parts)](logits, logits.stride(0), V, masked_ids if n_masked else position,
                                     masked_until if n_masked else position, position, part_values, part_indices,
-                                    parts, N_MASKED=n_masked, BLOCK=PART_COLUMNS)
+                                    parts, N_MASKED=n_masked, BLOCK=PART_COLUMNS, **programmatic_launch(logits))
     n_eos = 0 if eos_ids is None else eos_ids.numel()
     _bookkeeping_kernel[(1,)](part_values, part_indices, parts, B, eos_ids if n_eos else position,
                               pad_id if n_eos else position, unfinished, sequences, sequences.stride(0),
                               any_unfinished, token, position, N_EOS=n_eos, BLOCK_B=_next_power_of_2(B),
-                              BLOCK_P=_next_power_of_2(parts))
+                              BLOCK_P=_next_power_of_2(parts), **programmatic_launch(logits))

@@ -190,7 +190,8 @@ def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, dtype, pdl):
 def choice_variants(pointer_type):
     """(label, compile) of the greedy choice's two kernels (kernels_reslin_triton_choice) as
     greedy_choice launches them for logits of pointer_type: without and with minimum lengths and
-    end-of-sequence ids, for one and sixteen rows of a 32000-column vocabulary."""
+    end-of-sequence ids, for one and sixteen rows of a 32000-column vocabulary, under PDL (the
+    code without it is the same less the wait)."""
     parts = -(-32000 // choice_kernels.PART_COLUMNS)
     argmax = choice_kernels._part_argmax_kernel
     bookkeeping = choice_kernels._bookkeeping_kernel
@@ -198,18 +199,19 @@ def choice_variants(pointer_type):
     for n in (0, 2):
         signature = dict(logits_ptr=pointer_type, row_stride="i32", V="i32", masked_ids_ptr="*i64",
                          masked_until_ptr="*i64", position_ptr="*i64", part_value_ptr="*fp32", part_index_ptr="*i64",
-                         PARTS="i32", N_MASKED="constexpr", BLOCK="constexpr")
-        variants.append((f"_part_argmax_kernel            {pointer_type} N_MASKED={n}", lambda n=n, signature=signature:
-                         compile_for_sm90(argmax, signature, dict(N_MASKED=n, BLOCK=choice_kernels.PART_COLUMNS),
+                         PARTS="i32", N_MASKED="constexpr", BLOCK="constexpr", PDL="constexpr")
+        variants.append((f"_part_argmax_kernel            {pointer_type} N_MASKED={n} PDL", lambda n=n, signature=signature:
+                         compile_for_sm90(argmax, signature, dict(N_MASKED=n, BLOCK=choice_kernels.PART_COLUMNS,
+                                                                  PDL=True),
                                           [name for name in signature if name.endswith("_ptr")], 4, 1)))
     for n_eos in (0, 2):
         for rows in (1, 16):
             signature = dict(part_value_ptr="*fp32", part_index_ptr="*i64", PARTS="i32", B="i32", eos_ids_ptr="*i64",
                              pad_id_ptr="*i64", unfinished_ptr="*i1", sequences_ptr="*i64", sequences_stride="i32",
                              any_unfinished_ptr="*i1", token_ptr="*i64", position_ptr="*i64", N_EOS="constexpr",
-                             BLOCK_B="constexpr", BLOCK_P="constexpr")
-            constexprs = dict(N_EOS=n_eos, BLOCK_B=rows, BLOCK_P=1 << (parts - 1).bit_length())
-            variants.append((f"_bookkeeping_kernel            N_EOS={n_eos} BLOCK_B={rows}",
+                             BLOCK_B="constexpr", BLOCK_P="constexpr", PDL="constexpr")
+            constexprs = dict(N_EOS=n_eos, BLOCK_B=rows, BLOCK_P=1 << (parts - 1).bit_length(), PDL=True)
+            variants.append((f"_bookkeeping_kernel            N_EOS={n_eos} BLOCK_B={rows} PDL",
                              lambda signature=signature, constexprs=constexprs: compile_for_sm90(
                                  bookkeeping, signature, constexprs, [n for n in signature if n.endswith("_ptr")], 4, 1)))
     return variants
