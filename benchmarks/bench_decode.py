@@ -34,7 +34,7 @@ import torch
 from common import (DEVICE, DTYPE, RULES, copies_past_l2, import_fla, median_ms, print_header, rule_inputs,
                     us_per_call)
 from kernels_reslin import reslin_decode_step
-import kernels_reslin_triton_launch as launch
+import kernels_reslin_triton_launch as triton_launch
 
 
 def copy_bandwidth(nbytes=2**31):
@@ -104,7 +104,8 @@ def main(argv=None):
                         help="steps captured back to back in one graph (a model's step has one a layer)")
     parser.add_argument("--repeats", type=int, help="replays timed, the median printed; default 10 (--smoke: 2)")
     parser.add_argument("--pdl", action="store_true",
-                        help="ours under programmatic dependent launch (kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH)")
+                        help="ours also under programmatic dependent launch (kernels_reslin_triton_launch."
+                             "PROGRAMMATIC_LAUNCH), a row 'ours RULE pdl' after each of ours")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script itself (runs on a CPU)")
     args = parser.parse_args(argv)
     smoke = args.smoke
@@ -117,10 +118,8 @@ def main(argv=None):
     fla = import_fla()
     flashinfer, flashinfer_missing = import_flashinfer_gdn()
     copy_bw = copy_bandwidth(copy_bytes)
-    launch.PROGRAMMATIC_LAUNCH = args.pdl
     print_header(f"decode step, Dk = Dv = {args.dim}, {str(DTYPE).removeprefix('torch.')} inputs, fp32 states "
-                 f"(but where named); copy bandwidth {copy_bw / 1e12:.3g} TB/s (read + write)"
-                 + ("; ours under programmatic dependent launch" if args.pdl else ""))
+                 f"(but where named); copy bandwidth {copy_bw / 1e12:.3g} TB/s (read + write)")
     print(f"FlashInfer {flashinfer_missing or 'gdn_decode imported'}")
     print(f"{'kernel':42} {'H':>3} {'B':>3} {'us/step':>8} {'state MB':>9} {'TB/s':>6} {'% copy':>7} "
           f"{'ours gdn / it':>13}")
@@ -135,11 +134,14 @@ def main(argv=None):
                 next_state, copies = copies_past_l2(lambda: (
                     torch.randn(shape, device=DEVICE) * 0.1,
                     torch.randn(shape, device=DEVICE) * 0.1 if residual else None), state_bytes)
-                us = us_per_call(lambda: reslin_decode_step(**x, state=next_state(), backend="triton"),
-                                 max(args.calls_per_graph, copies), args.repeats)
-                print_row(f"ours {rule}", H, B, us, 2 * state_bytes, copy_bw)
-                if rule == "gdn":
-                    ours_gdn_us = us
+                for pdl in (False, True) if args.pdl else (False,):
+                    triton_launch.PROGRAMMATIC_LAUNCH = pdl
+                    us = us_per_call(lambda: reslin_decode_step(**x, state=next_state(), backend="triton"),
+                                     max(args.calls_per_graph, copies), args.repeats)
+                    triton_launch.PROGRAMMATIC_LAUNCH = False
+                    print_row(f"ours {rule}{' pdl' if pdl else ''}", H, B, us, 2 * state_bytes, copy_bw)
+                    if rule == "gdn" and not pdl:
+                        ours_gdn_us = us
             x = rule_inputs("gdn", B, 1, H, args.dim)
             for name, call, state_bytes, copies in gdn_anchors(fla, flashinfer, x, B, H, args.dim):
                 try:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from common import DEVICE, DTYPE, copies_past_l2, print_header, us_per_call
 import kernels_reslin_triton_gemv as gemv
-import kernels_reslin_triton_launch as launch
+import kernels_reslin_triton_launch as triton_launch
 import kernels_reslin_triton_layers as layers
 
 EPS = 1e-6
@@ -126,18 +126,18 @@ def main(argv=None):
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also ours under other launch tiles")
     parser.add_argument("--pdl", action="store_true",
-                        help="ours under programmatic dependent launch (kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH)")
+                        help="ours also under programmatic dependent launch (kernels_reslin_triton_launch."
+                             "PROGRAMMATIC_LAUNCH): a column 'PDL us'")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a call a replay (for a CPU)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shapes, args.calls, args.replays = ["smoke"], 1, 1
     elif DEVICE != "cuda":
         parser.error("times a GPU's CUDA graphs: on a CPU only --smoke runs")
-    launch.PROGRAMMATIC_LAUNCH = args.pdl
-    print_header(f"fused GEMV products against the unfused path, {DTYPE}, {args.calls} calls a CUDA graph"
-                 + (", ours under programmatic dependent launch" if args.pdl else ""))
+    print_header(f"fused GEMV products against the unfused path, {DTYPE}, {args.calls} calls a CUDA graph")
     print(f"{'entry point':22} {'shape':5} {'rows':>4} {'ours us':>8} {'GB/s':>6} {'unfused us':>10} {'GB/s':>6} "
-          f"{'ratio':>6} {'rel err':>8}  ours' tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)")
+          f"{'ratio':>6} {'rel err':>8}{' PDL us' if args.pdl else ''}  "
+          f"ours' tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)")
     with torch.no_grad():
         for shape in args.shapes:
             hidden, heads, inner = SHAPES[shape]
@@ -150,10 +150,15 @@ def main(argv=None):
                     count = max(args.calls, copies)  # every replay reads every copy
                     ours_us = us_per_call(ours, count, args.replays)
                     unfused_us = us_per_call(unfused, count, args.replays)
+                    pdl_text = ""
+                    if args.pdl:
+                        triton_launch.PROGRAMMATIC_LAUNCH = True
+                        pdl_text = f" {us_per_call(ours, count, args.replays):6.2f}"
+                        triton_launch.PROGRAMMATIC_LAUNCH = False
                     tile, K_span, group_block = launch(name, rows, K, N, head_dim)
                     print(f"{name:22} {shape:5} {rows:4d} {ours_us:8.2f} {weight_bytes / ours_us / 1e3:6.0f} "
                           f"{unfused_us:10.2f} {weight_bytes / unfused_us / 1e3:6.0f} {ours_us / unfused_us:6.2f} "
-                          f"{error:8.1e}  {tile}", flush=True)
+                          f"{error:8.1e}{pdl_text}  {tile}", flush=True)
                     if args.sweep:
                         sweep(ours, tile, rows, N, K_span, group_block, weights, weight_bytes, count, args)
 

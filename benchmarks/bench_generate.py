@@ -336,11 +336,14 @@ def main(argv=None):
         for B in args.batches:
             weights, states = weight_read_bytes(model, B), state_bytes(model, prompts[B])
             for loop in model_loops:
+                pdl = False
                 if loop in LOOPS:
                     model.config.generate_fast_path, pdl = LOOPS[loop]
-                    if DEVICE == "cuda" or pdl:  # (on a CPU the torch backend: no launch module)
-                        launch_module(model).PROGRAMMATIC_LAUNCH = pdl
+                if pdl:
+                    launch_module(model).PROGRAMMATIC_LAUNCH = True
                 measured = measure(model, prompts[B], args.new_tokens, args.repeats, whole_repeats)
+                if pdl:
+                    launch_module(model).PROGRAMMATIC_LAUNCH = False
                 table.row(name, loop, "fast" if loop in LOOPS else "eager", B, measured, weights, states)
         del model
         if DEVICE == "cuda":

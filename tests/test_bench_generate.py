@@ -103,6 +103,22 @@ def test_smoke_run_prints_a_row_per_loop_and_the_goals(capsys):
     assert re.fullmatch(r"goals: [01] of 1 met", lines[-1])
 
 
+def test_smoke_run_times_the_loops_asked_for(capsys):
+    bench_generate.main(["--smoke", "--rules", "gdn", "--batches", "1", "--repeats", "1", "--loops", "fast", "pdl"])
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("gdn ")] == [
+        "fast", "pdl"]
+
+
+@pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")
+def test_decode_smoke_run_with_pdl_times_each_of_ours_both_ways(monkeypatch, capsys):
+    monkeypatch.setattr(bench_decode, "import_fla", lambda: None)
+    monkeypatch.setattr(bench_decode, "import_flashinfer_gdn", lambda: (None, "left out"))
+    bench_decode.main(["--smoke", "--rules", "gdn", "rdn", "--batches", "1", "--heads", "2", "--repeats", "1", "--pdl"])
+    rows = [line[:42].strip() for line in capsys.readouterr().out.splitlines()[4:]]
+    assert rows == ["ours gdn", "ours gdn pdl", "ours rdn", "ours rdn pdl"]
+    assert not bench_decode.triton_launch.PROGRAMMATIC_LAUNCH
+
+
 @pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")
 def test_decode_smoke_run_times_ours_and_every_anchor_as_their_apis_take_them(monkeypatch, capsys):
     B, H, D = 1, 2, 32

@@ -262,3 +262,7 @@ def test_benchmark_smoke_run_prints_every_row_and_the_sweep(capsys):
     assert all(float(us) > 0 and float(error) <= (1e-5 if DEVICE == "cpu" else 4e-3) for *_, us, error in rows)
     bench_gemv.main(["--smoke", "--rows", "2", "--entry-points", "linear_residual", "--sweep"])
     assert "<- gemv_launch's pick, " in capsys.readouterr().out
+    bench_gemv.main(["--smoke", "--rows", "1", "--entry-points", "linear_residual", "--pdl"])
+    out = capsys.readouterr().out
+    assert " PDL us " in out and float(re.search(r"([\d.]+)  \(1, ", out)[1]) > 0  # ours again, under PDL
+    assert not bench_gemv.triton_launch.PROGRAMMATIC_LAUNCH  # switched back off
