@@ -98,12 +98,15 @@ class ResLinCache:
         a layer's projections: made at the layer's first step and kept while this cache lives and the
         weights stay the same tensors, unmodified (about a quarter of a recurrent model's weights).
         A captured step reads the copy where it lay at capture, so a new copy drops the graph."""
-        identity = tuple((w.data_ptr(), w._version) for w in weights)
-        held = self.side_by_side.get(layer_idx)
-        if held is None or held[0] != identity:
-            held = self.side_by_side[layer_idx] = (identity, torch.cat(weights))
+        if not self.holds_side_by_side(layer_idx, weights):
+            self.side_by_side[layer_idx] = (_identity(weights), torch.cat(weights))
             self.decode_graph = None
-        return held[1]
+        return self.side_by_side[layer_idx][1]
+
+    def holds_side_by_side(self, layer_idx, weights):
+        """Whether `side_by_side_weight` would return the copy it holds (else it makes one)."""
+        held = self.side_by_side.get(layer_idx)
+        return held is not None and held[0] == _identity(weights)
 
     def update_attention(self, layer_idx, keys, values):
         """Append this step's keys/values [B, kv_heads, T, D]; return the cached ones followed by them."""
@@ -156,6 +159,11 @@ class ResLinCache:
         raise NotImplementedError(
             "ResLinCache cannot record past states for rollback: assisted / speculative decoding "
             "(assistant_model, prompt_lookup_num_tokens) is not supported by ResLin models.")
+
+
+def _identity(weights):
+    """What tells weights apart for `side_by_side_weight`: where they lie, and their in-place writes."""
+    return tuple((w.data_ptr(), w._version) for w in weights)
 
 
 __all__ = ["ResLinCache"]

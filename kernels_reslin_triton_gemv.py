@@ -56,7 +56,8 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
                  M, N, K, K_SPAN, x_stride, gate_stride, residual_stride, eps,
                  NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                 PRELOAD: tl.constexpr):
     """y [M, N] = epilogue(normed(x) @ weight.T) for the rows of a BLOCK_M tile and the outputs of
     a BLOCK_N tile, the weight's rows streamed over K in BLOCK_K chunks.
 
@@ -74,9 +75,10 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     one, and Triton's software pipeline keeps the next chunks' weight loads in flight through
     shared memory (cp.async; the one-row path's single round of loads needs none).
 
-    PDL: launched with programmatic dependent launch, the one-row path loads its first chunk of
-    weights before it waits for the previous kernel (`_wait_for_previous_kernel`): the weights
-    must not be what that kernel writes. The tl.dot path waits first: its loads are the pipeline's."""
+    PDL: launched with programmatic dependent launch, the one-row path with PRELOAD loads its first
+    chunk of weights before it waits for the previous kernel (`_wait_for_previous_kernel`), so
+    the weights must not be what that kernel wrote. The tl.dot path waits first: its loads are the
+    pipeline's."""
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,7 +88,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     weight_rows = weight_ptr + outs.to(tl.int64)[:, None] * K
     up_weight_rows = up_weight_ptr + outs.to(tl.int64)[:, None] * K if SWIGLU else weight_rows
 
-    if PDL and BLOCK_M == 1:
+    if PRELOAD and BLOCK_M == 1:
         cols, col_ok, _ = _chunk_columns(0, positions, K_SPAN, GROUP, GROUP_BLOCK)
         first_weight, first_up_weight = _weight_chunk(weight_rows, up_weight_rows, cols,
                                                       out_ok[:, None] & col_ok[None, :], SWIGLU)
@@ -125,7 +127,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
                            other=0.0).to(tl.float32)
             x = (x * rstd * norm_weight[None, :] * gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty)
         weight_ok = out_ok[:, None] & col_ok[None, :]
-        if PDL and BLOCK_M == 1:
+        if PRELOAD and BLOCK_M == 1:
             if start == 0:
                 weight, up_weight = first_weight, first_up_weight
             else:
@@ -272,7 +274,7 @@ def gemv_config(M, N, K, element_bytes, norm, head_dim=None, swiglu=False, resid
 
 
 @_on_inputs_device
-def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, head_dim=None):
+def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, head_dim=None, weight_just_written=False):
     """y [..., N] in x's dtype; gate and residual as row views (`token_rows`)."""
     rows = token_rows(x)
     M, K = rows.shape
@@ -280,24 +282,28 @@ def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, head_d
     K_span, constexprs, warps, stages = gemv_config(M, N, K, x.element_size(), norm, head_dim, up_weight is not None,
                                                     residual is not None)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    pdl = programmatic_launch(x)
     if M:
         grid = (_cdiv(N, constexprs["BLOCK_N"]), _cdiv(M, constexprs["BLOCK_M"]))
         _gemv_kernel[grid](rows, gate, norm_weight, weight, up_weight, residual, y, M, N, K, K_span, rows.stride(0),
                            0 if gate is None else gate.stride(0), 0 if residual is None else residual.stride(0), eps,
-                           **constexprs, **programmatic_launch(x), num_warps=warps, num_stages=stages)
+                           **constexprs, **pdl, PRELOAD=pdl["PDL"] and not weight_just_written, num_warps=warps,
+                           num_stages=stages)
     return y.view(*x.shape[:-1], N)
 
 
-def rms_norm_linear(x, norm_weight, eps, weight):
+def rms_norm_linear(x, norm_weight, eps, weight, *, weight_just_written=False):
     """F.linear(rms_norm(x) * norm_weight, weight) for x [..., K], norm_weight [K], weight [N, K]:
     [..., N] in x's dtype. Rounds as rms_norm then F.linear do: the normed x to x's dtype, the fp32
-    product to x's dtype."""
+    product to x's dtype. `weight_just_written`: the kernel launched just before wrote `weight` (a
+    cache's new side-by-side copy), which under programmatic dependent launch is then not loaded
+    before that kernel's end (`_gemv_kernel`)."""
     N, K = _check_weight("weight", weight)
     _check_input("x", x, K)
     _check_like("weight", weight, x, "x")
     norm_weight = _check_norm_weight(norm_weight, K, x, "x's width")
     _check_no_grad(x, norm_weight, weight)
-    return _launch(x, None, norm_weight, float(eps), weight, None, None, "row")
+    return _launch(x, None, norm_weight, float(eps), weight, None, None, "row", weight_just_written=weight_just_written)
 
 
 def rms_norm_swiglu(x, norm_weight, eps, gate_weight, up_weight):

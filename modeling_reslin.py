@@ -268,7 +268,9 @@ class ResLinLinearAttention(nn.Module):
         short convolutions, gates and KLA's step; the decode kernel; the gated output norm with the
         output projection and the residual add), where the unfused step launches about fourteen."""
         weights = [projection.weight for projection in self.projections()]
-        projected = rms_norm_linear(x, norm.weight, norm.eps, cache.side_by_side_weight(self.layer_idx, weights))
+        copied_now = not cache.holds_side_by_side(self.layer_idx, weights)  # by the launch just before the product
+        projected = rms_norm_linear(x, norm.weight, norm.eps, cache.side_by_side_weight(self.layer_idx, weights),
+                                    weight_just_written=copied_now)
         q, k, v, g, beta, gamma, gamma_write = decode_inputs(
             projected, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight),
             cache.conv_states[self.layer_idx], self.A_log, self.dt_bias, num_heads=self.num_heads,

@@ -179,7 +179,7 @@ def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, dtype, pdl):
                    residual_ptr=residual)
     sizes = dict(M=M, N=N, K=K, K_SPAN=K_span, x_stride=K, gate_stride=K if norm == "gated_heads" else 0,
                  residual_stride=N if residual else 0)
-    constexprs = {**constexprs, "PDL": pdl, **{name: None for name, here in present.items() if not here},
+    constexprs = {**constexprs, "PDL": pdl, "PRELOAD": pdl, **{name: None for name, here in present.items() if not here},
                   **{name: 1 for name, size in sizes.items() if size == 1}}
     signature = {name: "constexpr" if name in constexprs else pointer_type if name.endswith("_ptr") else
                  "fp32" if name == "eps" else "i32" for name in params}
