@@ -145,9 +145,9 @@ def _capability(device_index):
 
 def programmatic_launch(x):
     """The launch options of the step's kernels for tensors like x: {"PDL": whether they launch
-    with PDL}, and Triton's `launch_pdl` when they do (CUDA on sm_90 and later, not the
-    interpreter, PROGRAMMATIC_LAUNCH on)."""
-    if PROGRAMMATIC_LAUNCH and x.is_cuda and _capability(x.device.index)[0] >= 9:
+    with PDL}, and Triton's `launch_pdl` when they do (NVIDIA GPUs from sm_90 on, not ROCm's
+    capabilities nor the interpreter, PROGRAMMATIC_LAUNCH on)."""
+    if PROGRAMMATIC_LAUNCH and x.is_cuda and torch.version.hip is None and _capability(x.device.index)[0] >= 9:
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 

@@ -128,8 +128,11 @@ def test_programmatic_launch_only_on_cuda_from_sm90_and_when_switched_on(monkeyp
     monkeypatch.setattr(kernels_reslin_triton_launch, "PROGRAMMATIC_LAUNCH", True)
     assert kernels_reslin_triton_launch.programmatic_launch(on_cuda) == {"PDL": True, "launch_pdl": True}
     assert kernels_reslin_triton_launch.programmatic_launch(torch.zeros(4)) == {"PDL": False}  # interpreter
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert kernels_reslin_triton_launch.programmatic_launch(on_cuda) == {"PDL": False}  # ROCm: no griddepcontrol
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(kernels_reslin_triton_launch, "_capability", lambda index: (8, 0))
-    assert kernels_reslin_triton_launch.programmatic_launch(on_cuda) == {"PDL": False}  # no griddepcontrol
+    assert kernels_reslin_triton_launch.programmatic_launch(on_cuda) == {"PDL": False}  # before sm_90
 
 
 def test_a_profilers_launch_hooks_take_tritons_runner(launcher, monkeypatch):
