@@ -47,6 +47,7 @@ DOT_BLOCK_M = 16  # the smallest tl.dot tile: 2 to 16 rows are one padded tile
 DOT_BLOCK_N = 32
 DOT_BLOCK_K = 256  # of one weight in 2-byte elements: half of it in fp32, a quarter for SwiGLU's two weights
 DOT_STAGES = 4
+DOT_SWAP_AB = False  # weight @ x.T from two rows on: bench_gemv.py --sweep times it against x @ weight.T
 GATED_DOT_STAGES = 2  # the gated head norm's: ranked first at 4 and 16 rows (bench_gemv.py --sweep)
 
 
@@ -56,8 +57,8 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
                  M, N, K, K_SPAN, x_stride, gate_stride, residual_stride, eps,
                  NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                 PRELOAD: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+                 PDL: tl.constexpr, PRELOAD: tl.constexpr):
     """y [M, N] = epilogue(normed(x) @ weight.T) for the rows of a BLOCK_M tile and the outputs of
     a BLOCK_N tile, the weight's rows streamed over K in BLOCK_K chunks.
 
@@ -73,7 +74,9 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     tl.dot of a 16-row tile: a broadcast product of BLOCK_M rows would hold BLOCK_M fp32 products
     of the weight tile in registers at once, where the tensor cores take 16 rows at the cost of
     one, and Triton's software pipeline keeps the next chunks' weight loads in flight through
-    shared memory (cp.async; the one-row path's single round of loads needs none).
+    shared memory (cp.async; the one-row path's single round of loads needs none). SWAP_AB forms
+    the transpose, weight @ x.T, so that the weight tile is the tensor cores' wide operand (on
+    Hopper, a wgmma of BLOCK_N >= 64 outputs against the 16 rows).
 
     PDL: launched with programmatic dependent launch, the one-row path with PRELOAD loads its first
     chunk of weights before it waits for the previous kernel (`_wait_for_previous_kernel`), so
@@ -106,6 +109,9 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         up_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    elif SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        up_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -139,6 +145,10 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
             acc += tl.sum(weight.to(tl.float32) * x, axis=1)
             if SWIGLU:
                 up_acc += tl.sum(up_weight.to(tl.float32) * x, axis=1)
+        elif SWAP_AB:
+            acc = tl.dot(weight, tl.trans(x), acc, input_precision="ieee")
+            if SWIGLU:
+                up_acc = tl.dot(up_weight, tl.trans(x), up_acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(weight), acc, input_precision="ieee")
             if SWIGLU:
@@ -147,6 +157,9 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     if BLOCK_M == 1:
         acc = acc[None, :]
         up_acc = up_acc[None, :]
+    elif SWAP_AB:
+        acc = tl.trans(acc)
+        up_acc = tl.trans(up_acc)
     # The products as F.linear returns them, in x's dtype.
     y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
     if SWIGLU:
@@ -186,7 +199,7 @@ def _weight_chunk(weight_rows, up_weight_rows, cols, weight_ok, SWIGLU: tl.const
 
 
 def gemv_launch(M, N, K_span, group_block, weights, element_bytes):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `_gemv_kernel` for M rows, N outputs,
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB) of `_gemv_kernel` for M rows, N outputs,
     K_span positions in groups of group_block (1 without groups: with groups, the gated head norm),
     `weights` weight matrices (2 for SwiGLU) of element_bytes each. Chosen by bench_gemv.py --sweep
     at the 400m and 1.3b shapes (benchmarks/README.md).
@@ -211,10 +224,10 @@ def gemv_launch(M, N, K_span, group_block, weights, element_bytes):
         BLOCK_N = max(1, ONE_ROW_TILE // BLOCK_K)
         while BLOCK_N > 1 and _cdiv(N, BLOCK_N) < PROGRAMS_TO_FILL:
             BLOCK_N //= 2
-        return 1, BLOCK_N, BLOCK_K, 8 if gated else 2 * element_bytes, 1
+        return 1, BLOCK_N, BLOCK_K, 8 if gated else 2 * element_bytes, 1, False
     chunk = DOT_BLOCK_K * 2 // element_bytes // (1 if weights == 1 else 4)
     BLOCK_K = max(group_block, min(K_block, max(16, chunk)))
-    return DOT_BLOCK_M, DOT_BLOCK_N, BLOCK_K, 4, GATED_DOT_STAGES if gated else DOT_STAGES
+    return DOT_BLOCK_M, DOT_BLOCK_N, BLOCK_K, 4, GATED_DOT_STAGES if gated else DOT_STAGES, DOT_SWAP_AB
 
 
 def _check_no_grad(*tensors):
@@ -265,11 +278,11 @@ def gemv_config(M, N, K, element_bytes, norm, head_dim=None, swiglu=False, resid
     `head_dim`: the group of the "gated_heads" norm."""
     group_block = _next_power_of_2(head_dim) if norm == "gated_heads" else None
     K_span = K // head_dim * group_block if group_block else K
-    BLOCK_M, BLOCK_N, BLOCK_K, warps, stages = gemv_launch(M, N, K_span, group_block or 1, 2 if swiglu else 1,
-                                                           element_bytes)
+    BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab = gemv_launch(M, N, K_span, group_block or 1,
+                                                                    2 if swiglu else 1, element_bytes)
     group, group_block = (head_dim, group_block) if group_block else (BLOCK_K, BLOCK_K)  # else a position is a channel
     constexprs = dict(NORM=norm, SWIGLU=swiglu, RESIDUAL=residual, GROUP=group, GROUP_BLOCK=group_block,
-                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SWAP_AB=swap_ab)
     return K_span, constexprs, warps, stages
 
 

@@ -52,11 +52,11 @@ def problem(name, hidden, heads, inner):
 
 
 def launch(name, rows, K, N, head_dim):
-    """gemv_launch's pick for this call, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), and the
+    """gemv_launch's pick for this call, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab), and the
     (K_span, group_block) it was picked for."""
     K_span, blocks, warps, stages = gemv.gemv_config(rows, N, K, DTYPE.itemsize, ENTRY_POINTS[name], head_dim,
                                                      name == "rms_norm_swiglu", name.endswith("residual"))
-    tile = (blocks["BLOCK_M"], blocks["BLOCK_N"], blocks["BLOCK_K"], warps, stages)
+    tile = (blocks["BLOCK_M"], blocks["BLOCK_N"], blocks["BLOCK_K"], warps, stages, blocks["SWAP_AB"])
     return tile, K_span, blocks["GROUP_BLOCK"] if head_dim else 1
 
 
@@ -104,15 +104,18 @@ def rel_err(x, ref):
 
 
 def sweep_tiles(rows, N, K_span, group_block, weights):
-    """Launch tiles to try besides gemv_launch's: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). From
-    two rows on, the one-row tiles too, a program a row: the weight read once from memory, and from
-    L2 for the other rows."""
+    """Launch tiles to try besides gemv_launch's: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages,
+    swap_ab). From two rows on, the one-row tiles too, a program a row (the weight read once from
+    memory, and from L2 for the other rows), and the transposed product (swap_ab) with wide weight
+    tiles."""
     K_block = max(16, 1 << (K_span - 1).bit_length())
-    tiles = [(1, n, k, w, 1) for n in (1, 2, 4, 8) for k in (512, 1024, 2048, 4096) for w in (4, 8)
+    tiles = [(1, n, k, w, 1, False) for n in (1, 2, 4, 8) for k in (512, 1024, 2048, 4096) for w in (4, 8)
              if k <= K_block and n * k * weights <= 16384]
     if rows > 1:
-        tiles += [(16, n, k, 4, s) for n in (16, 32, 64) for k in (64, 128, 256) for s in (2, 3, 4)
+        tiles += [(16, n, k, 4, s, False) for n in (16, 32, 64) for k in (64, 128, 256) for s in (2, 3, 4)
                   if k <= K_block and n * k * weights <= 8192]
+        tiles += [(16, n, k, 4, s, True) for n in (64, 128) for k in (32, 64, 128) for s in (3, 4, 6)
+                  if k <= K_block and n * k * weights <= 16384]
     return [tile for tile in tiles if tile[2] >= group_block]
 
 
@@ -137,7 +140,7 @@ def main(argv=None):
     print_header(f"fused GEMV products against the unfused path, {DTYPE}, {args.calls} calls a CUDA graph")
     print(f"{'entry point':22} {'shape':5} {'rows':>4} {'ours us':>8} {'GB/s':>6} {'unfused us':>10} {'GB/s':>6} "
           f"{'ratio':>6} {'rel err':>8}{' PDL us' if args.pdl else ''}  "
-          f"ours' tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)")
+          f"ours' tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab)")
     with torch.no_grad():
         for shape in args.shapes:
             hidden, heads, inner = SHAPES[shape]

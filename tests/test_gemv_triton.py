@@ -5,8 +5,9 @@ residual add).
 Without a GPU they run in Triton's CPU interpreter in fp32: relative error <= 1e-5 against both
 (both compute in fp32; only the order of the sums differs). Rows 1 (the one-row path) and 3, 16
 and 17 (the tl.dot path, 17 in two row tiles), K and N that fill no block, heads of 48 (masked
-lanes) and 128, leading dims [B, 1, K]; each with the launch's own blocks and with small ones
-that split K into several chunks and put many outputs in a program.
+lanes) and 128, leading dims [B, 1, K]; each with the launch's own blocks, with small ones
+that split K into several chunks and put many outputs in a program, and with the tl.dot path's
+transposed product (weight @ x.T).
 
 On the GPU (`pytest -m gpu`) the kernels run compiled in bf16 at a 400M model's shapes for 1 and
 16 rows: relative error <= 1e-2 against the fp32 reference (bf16 rounding of the normed input,
@@ -37,15 +38,18 @@ def on_gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 
 
-@pytest.fixture(params=["launch blocks", "small blocks"])
+@pytest.fixture(params=["launch blocks", "small blocks", "swapped products"])
 def blocks(request, monkeypatch):
     """The launch's own blocks, or small ones: several chunks along K on both paths (a one-row
     chunk of 128 positions; a tl.dot chunk of 32 in fp32, 16 for SwiGLU, or one head) and as many
-    outputs a program as the tile allows (then N's last block is part empty)."""
+    outputs a program as the tile allows (then N's last block is part empty); or the tl.dot path's
+    transposed product, weight @ x.T."""
     if request.param == "small blocks":
         monkeypatch.setattr(gemv, "MAX_BLOCK_K", 128)
         monkeypatch.setattr(gemv, "DOT_BLOCK_K", 64)
         monkeypatch.setattr(gemv, "PROGRAMS_TO_FILL", 1)
+    if request.param == "swapped products":
+        monkeypatch.setattr(gemv, "DOT_SWAP_AB", True)
     return request.param
 
 

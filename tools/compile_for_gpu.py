@@ -305,7 +305,7 @@ def main():
             for M, pdl in ((1, False), (1, True), (16, False), (16, True)):  # PDL: programmatic_launch
                 _, constexprs, warps, stages = gemv_kernels.gemv_config(
                     M, N, K, DTYPES[dtype][0].primitive_bitwidth // 8, norm, head_dim, swiglu, residual)
-                blocks = " ".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+                blocks = " ".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB"))
                 label = (f"_gemv_kernel {name:22s} {dtype} M{M} K{K} N{N} {blocks} warps={warps} stages={stages}"
                          f"{' PDL' if pdl else ''}")
                 failures += report(label, lambda: compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual,
