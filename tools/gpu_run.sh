@@ -38,7 +38,7 @@
 #                (540). For changes that show only replayed (launch overlap, PDL): kernel_variants
 #                times kernels and eager calls.
 #   gemv         benchmarks/bench_gemv.py: the fused GEMVs beside the unfused step's kernels, replayed; more
-#                options in $GEMV_ARGS ("--pdl", "--sweep") (300)
+#                options in $GEMV_ARGS ("--pdl", "--sweep": ~150-300 s) (540)
 #   decode       benchmarks/bench_decode.py: our decode step beside FLA's and FlashInfer's, those that import;
 #                more options in $DECODE_ARGS ("--pdl") (240)
 #   generate     benchmarks/bench_generate.py, the 400m shape: every rule, both loops, FLA's generate beside;
@@ -143,7 +143,7 @@ for name in "$@"; do
         echo "== $name"
         python3 benchmarks/bench_forward.py --graphs ${GRAPHS_ARGS:-}
       done' ;;
-    gemv) job gemv 300 python3 benchmarks/bench_gemv.py ${GEMV_ARGS:-} ;;
+    gemv) job gemv 540 python3 benchmarks/bench_gemv.py ${GEMV_ARGS:-} ;;
     decode) job decode 240 python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} ;;
     generate) job generate 570 python3 benchmarks/bench_generate.py ${GENERATE_ARGS:-} ;;
     generate-1.3b) job generate-1.3b 570 python3 benchmarks/bench_generate.py --shape 1.3b ${GENERATE_ARGS:-} ;;
