@@ -1,9 +1,9 @@
 """kernels_reslin_triton_choice.greedy_choice (generate's own loop on CUDA, greedy) against the torch
 code of generation_reslin._Steps.choose, on the same logits, step after step: every buffer equal
-exactly. In Triton's interpreter on a CPU in fp32 and fp16 (the GPU tests of test_generation_loop
-run it in bf16 through generate), with ties, NaNs, rows of -inf, rows that end, two minimum
-lengths over different end-of-sequence ids, and a vocabulary cut into parts of 16 columns whose
-last part is part empty.
+exactly. In fp32 and fp16, with ties, NaNs, rows of -inf, rows that end, two minimum lengths over
+different end-of-sequence ids, and a vocabulary cut into parts of 16 columns whose last part is
+part empty: in Triton's interpreter on a CPU, compiled on a GPU (`pytest -m gpu`; test_generation_loop
+runs it in bf16 through generate).
 """
 
 import pytest
@@ -14,21 +14,23 @@ from conftest import build_model
 choice = pytest.importorskip("kernels_reslin_triton_choice", reason="needs the triton package")
 generation = pytest.importorskip("generation_reslin")
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = [pytest.mark.gpu] if DEVICE.type == "cuda" else []
 V = 100  # the tiny model's vocabulary
 BUFFERS = ("sequences", "any_unfinished", "unfinished", "token", "position")
 
 
 def steps_pair(eos, minimum_lengths, batch, new_tokens):
     """Two _Steps of one decoding, the second choosing through greedy_choice."""
-    model = build_model("gdn")
+    model = build_model("gdn").to(DEVICE)
     decoding = generation.DeviceDecoding(
         do_sample=False, processors=[(length, torch.tensor(ids)) for length, ids in minimum_lengths],
         max_length=10 + new_tokens, eos_token_id=None if eos is None else torch.tensor(eos),
         pad_token_id=None if eos is None else torch.tensor(0))
-    torch_steps, fused_steps = (generation._Steps(decoding, model, None, batch, 10, new_tokens, torch.device("cpu"))
+    torch_steps, fused_steps = (generation._Steps(decoding, model, None, batch, 10, new_tokens, DEVICE)
                                 for _ in range(2))
-    assert not fused_steps.fused_choice  # on a CPU the loop keeps the torch code: forced here
-    fused_steps.fused_choice = True
+    assert fused_steps.fused_choice == (DEVICE.type == "cuda")  # a CPU's loop keeps the torch code: forced here
+    torch_steps.fused_choice, fused_steps.fused_choice = False, True
     return torch_steps, fused_steps
 
 
@@ -56,7 +58,7 @@ def test_greedy_choice_writes_what_the_torch_code_writes(eos, minimum_lengths, d
     torch_steps, fused_steps = steps_pair(eos, minimum_lengths, batch, new_tokens)
     generator = torch.Generator().manual_seed(0)
     for step in range(new_tokens):
-        logits = awkward_logits(generator, batch, dtype, step)
+        logits = awkward_logits(generator, batch, dtype, step).to(DEVICE)
         torch_steps.choose(logits)
         fused_steps.choose(logits)
         for name in BUFFERS:
@@ -67,8 +69,9 @@ def test_greedy_choice_writes_what_the_torch_code_writes(eos, minimum_lengths, d
 
 def test_greedy_choice_refuses_more_rows_than_one_program_holds(monkeypatch):
     monkeypatch.setattr(choice, "MAX_ROWS", 2)
-    position = torch.zeros(1, dtype=torch.long)
+    long = dict(dtype=torch.long, device=DEVICE)
+    position = torch.zeros(1, **long)
     with pytest.raises(ValueError, match="at most 2 rows"):
-        choice.greedy_choice(torch.zeros(3, V), position[:0], position[:0], None, None, torch.ones(3, dtype=torch.bool),
-                             torch.zeros(3, 4, dtype=torch.long), torch.zeros(4, dtype=torch.bool),
-                             torch.zeros(3, 1, dtype=torch.long), position)
+        choice.greedy_choice(torch.zeros(3, V, device=DEVICE), position[:0], position[:0], None, None,
+                             torch.ones(3, dtype=torch.bool, device=DEVICE), torch.zeros(3, 4, **long),
+                             torch.zeros(4, dtype=torch.bool, device=DEVICE), torch.zeros(3, 1, **long), position)
