@@ -20,8 +20,9 @@ than CALLS): one matrix read again and again would stay in L2 and time its bandw
         --entry-points rms_norm_linear gated_rms_norm_linear   # other tiles, to tune gemv_launch
     python benchmarks/bench_gemv.py --smoke   # tiny sizes on a CPU (Triton's interpreter): checks the script runs
 
---sweep times ours under other launch tiles (BLOCK_N, BLOCK_K, warps, stages) besides
-gemv_launch's own pick, fastest first: what to change in gemv_launch.
+--sweep times ours under other launch tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab)
+besides gemv_launch's own pick, fastest first: what to change in gemv_launch. --pdl times ours
+again under programmatic dependent launch, in a column of its own.
 """
 
 import argparse
