@@ -97,16 +97,15 @@ class ResLinCache:
         """`weights` [N_i, K] concatenated into [sum N_i, K] for a generation step's one product over
         a layer's projections: made at the layer's first step and kept while this cache lives and the
         weights stay the same tensors, unmodified (about a quarter of a recurrent model's weights).
-        A captured step reads the copy where it lay at capture, so a new copy drops the graph."""
-        if not self.holds_side_by_side(layer_idx, weights):
-            self.side_by_side[layer_idx] = (_identity(weights), torch.cat(weights))
-            self.decode_graph = None
-        return self.side_by_side[layer_idx][1]
-
-    def holds_side_by_side(self, layer_idx, weights):
-        """Whether `side_by_side_weight` would return the copy it holds (else it makes one)."""
+        A captured step reads the copy where it lay at capture, so a new copy drops the graph.
+        Returns (the copy, whether it was made by this call: its launch is then the last one)."""
+        identity = tuple((w.data_ptr(), w._version) for w in weights)
         held = self.side_by_side.get(layer_idx)
-        return held is not None and held[0] == _identity(weights)
+        made_now = held is None or held[0] != identity
+        if made_now:
+            held = self.side_by_side[layer_idx] = (identity, torch.cat(weights))
+            self.decode_graph = None
+        return held[1], made_now
 
     def update_attention(self, layer_idx, keys, values):
         """Append this step's keys/values [B, kv_heads, T, D]; return the cached ones followed by them."""
@@ -159,11 +158,6 @@ class ResLinCache:
         raise NotImplementedError(
             "ResLinCache cannot record past states for rollback: assisted / speculative decoding "
             "(assistant_model, prompt_lookup_num_tokens) is not supported by ResLin models.")
-
-
-def _identity(weights):
-    """What tells weights apart for `side_by_side_weight`: where they lie, and their in-place writes."""
-    return tuple((w.data_ptr(), w._version) for w in weights)
 
 
 __all__ = ["ResLinCache"]

@@ -267,10 +267,8 @@ class ResLinLinearAttention(nn.Module):
         with the projections' one product over their weights side by side, kept by the cache; the
         short convolutions, gates and KLA's step; the decode kernel; the gated output norm with the
         output projection and the residual add), where the unfused step launches about fourteen."""
-        weights = [projection.weight for projection in self.projections()]
-        copied_now = not cache.holds_side_by_side(self.layer_idx, weights)  # by the launch just before the product
-        projected = rms_norm_linear(x, norm.weight, norm.eps, cache.side_by_side_weight(self.layer_idx, weights),
-                                    weight_just_written=copied_now)
+        weight, made_now = cache.side_by_side_weight(self.layer_idx, [p.weight for p in self.projections()])
+        projected = rms_norm_linear(x, norm.weight, norm.eps, weight, weight_just_written=made_now)
         q, k, v, g, beta, gamma, gamma_write = decode_inputs(
             projected, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight),
             cache.conv_states[self.layer_idx], self.A_log, self.dt_bias, num_heads=self.num_heads,
@@ -293,7 +291,7 @@ class ResLinLinearAttention(nn.Module):
         if x.shape[1] == 1 and inference and runs_fused(self.fused, x) and all(map(is_plain_linear, projections)):
             x = x if norm is None else norm(x)
             weights = [projection.weight for projection in projections]
-            weight = torch.cat(weights) if cache is None else cache.side_by_side_weight(self.layer_idx, weights)
+            weight = torch.cat(weights) if cache is None else cache.side_by_side_weight(self.layer_idx, weights)[0]
             outputs = F.linear(x, weight).split([projection.out_features for projection in projections], dim=-1)
         elif norm is not None:
             outputs = norm(x, projections)

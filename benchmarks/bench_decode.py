@@ -31,8 +31,8 @@ import math
 
 import torch
 
-from common import (DEVICE, DTYPE, RULES, copies_past_l2, import_fla, median_ms, print_header, rule_inputs,
-                    us_per_call)
+from common import (DEVICE, DTYPE, RULES, copies_past_l2, import_fla, median_ms, print_header,
+                    programmatic_launch, rule_inputs, us_per_call)
 from kernels_reslin import reslin_decode_step
 import kernels_reslin_triton_launch as triton_launch
 
@@ -135,10 +135,9 @@ def main(argv=None):
                     torch.randn(shape, device=DEVICE) * 0.1,
                     torch.randn(shape, device=DEVICE) * 0.1 if residual else None), state_bytes)
                 for pdl in (False, True) if args.pdl else (False,):
-                    triton_launch.PROGRAMMATIC_LAUNCH = pdl
-                    us = us_per_call(lambda: reslin_decode_step(**x, state=next_state(), backend="triton"),
-                                     max(args.calls_per_graph, copies), args.repeats)
-                    triton_launch.PROGRAMMATIC_LAUNCH = False
+                    with programmatic_launch(triton_launch, pdl):
+                        us = us_per_call(lambda: reslin_decode_step(**x, state=next_state(), backend="triton"),
+                                         max(args.calls_per_graph, copies), args.repeats)
                     print_row(f"ours {rule}{' pdl' if pdl else ''}", H, B, us, 2 * state_bytes, copy_bw)
                     if rule == "gdn" and not pdl:
                         ours_gdn_us = us

@@ -30,7 +30,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import DEVICE, DTYPE, copies_past_l2, print_header, us_per_call
+from common import DEVICE, DTYPE, copies_past_l2, print_header, programmatic_launch, us_per_call
 import kernels_reslin_triton_gemv as gemv
 import kernels_reslin_triton_launch as triton_launch
 import kernels_reslin_triton_layers as layers
@@ -156,9 +156,8 @@ def main(argv=None):
                     unfused_us = us_per_call(unfused, count, args.replays)
                     pdl_text = ""
                     if args.pdl:
-                        triton_launch.PROGRAMMATIC_LAUNCH = True
-                        pdl_text = f" {us_per_call(ours, count, args.replays):6.2f}"
-                        triton_launch.PROGRAMMATIC_LAUNCH = False
+                        with programmatic_launch(triton_launch):
+                            pdl_text = f" {us_per_call(ours, count, args.replays):6.2f}"
                     tile, K_span, group_block = launch(name, rows, K, N, head_dim)
                     print(f"{name:22} {shape:5} {rows:4d} {ours_us:8.2f} {weight_bytes / ours_us / 1e3:6.0f} "
                           f"{unfused_us:10.2f} {weight_bytes / unfused_us / 1e3:6.0f} {ours_us / unfused_us:6.2f} "

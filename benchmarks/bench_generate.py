@@ -43,6 +43,7 @@ A row, where a step is one new token for every row of the batch:
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import importlib
 import statistics
@@ -52,7 +53,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench_decode import copy_bandwidth
-from common import DEVICE, DTYPE, REPO, RULES, import_fla, print_header, synchronize
+from common import DEVICE, DTYPE, REPO, RULES, import_fla, print_header, programmatic_launch, synchronize
 
 SHAPES = {
     "400m": dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=8, head_dim=128, expand_v=1.0,
@@ -339,11 +340,8 @@ def main(argv=None):
                 pdl = False
                 if loop in LOOPS:
                     model.config.generate_fast_path, pdl = LOOPS[loop]
-                if pdl:
-                    launch_module(model).PROGRAMMATIC_LAUNCH = True
-                measured = measure(model, prompts[B], args.new_tokens, args.repeats, whole_repeats)
-                if pdl:
-                    launch_module(model).PROGRAMMATIC_LAUNCH = False
+                with programmatic_launch(launch_module(model)) if pdl else contextlib.nullcontext():
+                    measured = measure(model, prompts[B], args.new_tokens, args.repeats, whole_repeats)
                 table.row(name, loop, "fast" if loop in LOOPS else "eager", B, measured, weights, states)
         del model
         if DEVICE == "cuda":

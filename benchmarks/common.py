@@ -6,6 +6,7 @@ works) and, without a GPU, sets TRITON_INTERPRET=1 before Triton is imported, so
 bf16 wrongly without an error, hence DTYPE is fp32 there.
 """
 
+import contextlib
 import itertools
 import os
 import statistics
@@ -193,6 +194,18 @@ def copies_past_l2(make, nbytes):
     at least `count` of them, so that each replay reads every copy."""
     copies = [make() for _ in range(-(-2 * L2_BYTES // nbytes) if DEVICE == "cuda" else 1)]
     return itertools.cycle(copies).__next__, len(copies)
+
+
+@contextlib.contextmanager
+def programmatic_launch(launch_module, on=True):
+    """Within the block, `launch_module` (a kernels_reslin_triton_launch, the plain import or a
+    model's remote-code copy) launches the step's kernels with programmatic dependent launch if
+    `on`; switched back off after."""
+    launch_module.PROGRAMMATIC_LAUNCH = on
+    try:
+        yield
+    finally:
+        launch_module.PROGRAMMATIC_LAUNCH = False
 
 
 def host_ms(fn, repeats=10):
