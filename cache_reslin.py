@@ -107,6 +107,14 @@ class ResLinCache:
             self.decode_graph = None
         return held[1], made_now
 
+    def swap_step_states(self, held):
+        """Exchange what a generation step reads and writes, (conv_states, recurrent_states,
+        side_by_side), with `held`, of a cache of the same shapes; returns this cache's.
+        generation_reslin lends a generate call's cache the states of a kept step graph this way."""
+        own = (self.conv_states, self.recurrent_states, self.side_by_side)
+        self.conv_states, self.recurrent_states, self.side_by_side = held
+        return own
+
     def update_attention(self, layer_idx, keys, values):
         """Append this step's keys/values [B, kv_heads, T, D]; return the cached ones followed by them."""
         if self.key_cache[layer_idx] is not None:

@@ -11,8 +11,16 @@ top-k, top-p, min-p and minimum lengths, stopped by a length and end-of-sequence
 logits, the processors (transformers' own objects) and the draw (torch.multinomial's exponential
 race, from the same generator, once a token) are those of transformers' loop, so the tokens are
 too, and so is the random state it leaves. Anything else runs transformers' loop.
+
+A call's first step captures the step's graph (tens of milliseconds: the step runs once for real,
+then again under capture). The graph and the states it was captured against are kept for the
+model's next call of the same batch size and settings (`KeptStep`): that call's cache lends its
+states to the graph's for the call, so a chat's or a server's later calls replay from their first
+step. `ResLinForCausalLM.release_generation_graph()` frees what is kept.
 """
 
+import itertools
+import threading
 import weakref
 from dataclasses import fields
 
@@ -33,11 +41,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 # Inside a try block: without Triton the torch code chooses the tokens (see kernels_reslin_triton_launch).
 try:
     try:
+        from . import kernels_reslin_triton_launch as triton_launch
         from .kernels_reslin_triton_choice import MAX_ROWS as GREEDY_CHOICE_MAX_ROWS, greedy_choice
     except ImportError:
+        import kernels_reslin_triton_launch as triton_launch
         from kernels_reslin_triton_choice import MAX_ROWS as GREEDY_CHOICE_MAX_ROWS, greedy_choice
 except ImportError:
-    greedy_choice = GREEDY_CHOICE_MAX_ROWS = None
+    greedy_choice = GREEDY_CHOICE_MAX_ROWS = triton_launch = None
 
 # transformers 5.24 renamed the outputs' `past_key_values` field to `cache`; generate reads the
 # cache back under the name its own output classes declare.
@@ -55,6 +65,9 @@ PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "outp
 # Greedy choice on CUDA in two Triton launches (kernels_reslin_triton_choice) where the torch code
 # takes ten to twenty; False: the torch code everywhere.
 FUSED_GREEDY_CHOICE = True
+# New tokens a call's buffers hold at least (their steps write token i at column i): calls of up to
+# this many share a kept graph.
+KEPT_MIN_TOKENS = 1024
 
 
 class ResLinDecodeGraph:
@@ -215,12 +228,27 @@ class DeviceDecoding:
         device = input_ids.device
         batch_size, length = input_ids.shape
         new_tokens = max(self.max_length - length, 1)  # transformers' loop always chooses one
-        steps = _Steps(self, model, cache, batch_size, length, new_tokens, device)
-        steps.choose(outputs.logits[:, -1].to(device=device))
-        del outputs  # the prompt's logits
+        steps = _Steps(self, model, cache, batch_size, length, KeptStep.capacity(model, new_tokens), device)
+        kept = KeptStep.lend(model, steps, cache) if steps.use_graph and new_tokens > 1 else None
+        if kept is not None:
+            steps = kept.steps
+        try:
+            steps.choose(outputs.logits[:, -1].to(device=device))
+            del outputs  # the prompt's logits
+            produced = self.decode(steps, cache, new_tokens, cache_outlives, streamer)
+            sequences = torch.cat([input_ids, steps.sequences[:, :produced]], dim=-1)
+        finally:
+            if kept is not None:
+                kept.take_back(cache, cache_outlives)
+        if generation_config.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=sequences, **{GENERATE_CACHE_FIELD: cache})
+        return sequences
+
+    def decode(self, steps, cache, new_tokens, cache_outlives, streamer):
+        """The steps after the first token, read every TOKENS_PER_SYNC steps: how many tokens count."""
         produced, finished = steps.read(0, 1, streamer)
         saved = None
-        random_state = RandomState(device) if self.do_sample else None
+        random_state = RandomState(steps.device) if self.do_sample else None
         while produced < new_tokens and not finished:
             block = min(TOKENS_PER_SYNC, new_tokens - produced)
             if cache_outlives:
@@ -247,25 +275,22 @@ class DeviceDecoding:
             produced += valid
         if streamer is not None:
             streamer.end()
-        sequences = torch.cat([input_ids, steps.sequences[:, :produced]], dim=-1)
-        if generation_config.return_dict_in_generate:
-            return GenerateDecoderOnlyOutput(sequences=sequences, **{GENERATE_CACHE_FIELD: cache})
-        return sequences
+        return produced
 
 
 class _Steps:
     """The device-side state of one DeviceDecoding run and its step: the tokens chosen so far, the
     rows not yet ended, and the CUDA graph of a step."""
 
-    def __init__(self, decoding, model, cache, batch_size, length, new_tokens, device):
+    def __init__(self, decoding, model, cache, batch_size, length, capacity, device):
         self.decoding, self.model, self.cache, self.device = decoding, model, cache, device
-        self.sequences = torch.zeros(batch_size, new_tokens, dtype=torch.long, device=device)
-        self.any_unfinished = torch.zeros(new_tokens, dtype=torch.bool, device=device)  # after each token
+        self.sequences = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)
+        self.any_unfinished = torch.zeros(capacity, dtype=torch.bool, device=device)  # after each token
         self.unfinished = torch.ones(batch_size, dtype=torch.bool, device=device)
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # the next step's input
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # the next token's column
         # Whether a token's draw had no distribution (NaN probabilities), which torch.multinomial refuses.
-        self.undrawable = torch.zeros(new_tokens, dtype=torch.bool, device=device)
+        self.undrawable = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.eos_token_id = None if decoding.eos_token_id is None else decoding.eos_token_id.to(device)
         self.pad_token_id = None if decoding.pad_token_id is None else decoding.pad_token_id.to(device)
         # A minimum-length processor as (the tokens to choose before its end-of-sequence ids may
@@ -273,7 +298,8 @@ class _Steps:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # the logits' width
         vocabulary = torch.arange(self.vocab_size, device=device)
         self.processors = [processor if not isinstance(processor, tuple)
-                           else (processor[0] - length, torch.isin(vocabulary, processor[1].to(device)))
+                           else (torch.tensor(processor[0] - length, device=device),
+                                 torch.isin(vocabulary, processor[1].to(device)))
                            for processor in decoding.processors]
         # The fused greedy choice takes the minimum lengths as (column, the position it is masked until).
         self.fused_choice = (FUSED_GREEDY_CHOICE and greedy_choice is not None and device.type == "cuda"
@@ -287,6 +313,33 @@ class _Steps:
                                       + [none])
         self.graph = None
         self.use_graph = graph_can_run(model, cache, device)
+
+    def buffers(self):
+        """The tensors a step reads besides the model and the cache, None where a setting is absent."""
+        minimum_lengths = [x for processor in self.processors if isinstance(processor, tuple) for x in processor]
+        return [self.sequences, self.any_unfinished, self.unfinished, self.token, self.position, self.undrawable,
+                self.eos_token_id, self.pad_token_id, self.masked_ids, self.masked_until, *minimum_lengths]
+
+    def signature(self):
+        """What a captured step depends on besides the model and the values of `buffers()`: the
+        buffers' shapes and the settings that the step's code reads. None where a processor holds
+        more than plain settings, which could change unseen."""
+        settings = []
+        for processor in self.processors:
+            if isinstance(processor, tuple):
+                settings.append("minimum length")  # its tensors are buffers
+                continue
+            values = tuple(sorted(vars(processor).items()))
+            if not all(isinstance(value, (bool, int, float, str, type(None))) for _, value in values):
+                return None
+            settings.append((type(processor), values))
+        return (self.decoding.do_sample, self.fused_choice, tuple(settings),
+                tuple(None if x is None else (x.shape, x.dtype, x.device) for x in self.buffers()))
+
+    def load(self, other):
+        """The values of another _Steps' buffers, of the same signature, into this one's."""
+        torch._foreach_copy_([x for x in self.buffers() if x is not None],
+                             [x for x in other.buffers() if x is not None])
 
     def choose(self, logits):
         """The next token of every row from its logits [B, V] on the device, as transformers' loop
@@ -360,3 +413,88 @@ class _Steps:
             for i in range(valid):
                 streamer.put(tokens[:, i].clone())
         return valid, len(ended) > 0
+
+
+# model -> its KeptStep; the lock guards the taking and giving back of one.
+_KEPT_STEPS = weakref.WeakKeyDictionary()
+_KEPT_STEPS_LOCK = threading.Lock()
+
+
+class KeptStep:
+    """A generation step's CUDA graph kept between a model's generate calls: the _Steps whose
+    buffers the graph reads, and the cache states and side-by-side weights it was captured
+    against. A call of the same settings, on the same weights (the same tensors, unmodified since:
+    their versions), loads its values into the buffers and its cache's states into the kept ones,
+    and lends the cache the kept states for its length (`lend`, `take_back`): the graph, its
+    steps and its states stay where they were. One call at a time holds it; another call meanwhile
+    runs on a graph of its own, as every call did before."""
+
+    def __init__(self, key, steps, cache):
+        self.key, self.steps = key, steps
+        self.states = ([tuple(x.clone() for x in layer) for layer in cache.conv_states],
+                       [tuple(None if x is None else x.clone() for x in layer) for layer in cache.recurrent_states],
+                       dict(cache.side_by_side))
+        self.cache_states = None  # the borrowing cache's own, while lent
+        self.in_use = False
+
+    @staticmethod
+    def capacity(model, new_tokens):
+        """The new tokens a call's buffers hold: enough for this call, and as many as the kept step's."""
+        kept = _KEPT_STEPS.get(model)
+        return max(KEPT_MIN_TOKENS, 1 << (new_tokens - 1).bit_length(),
+                   0 if kept is None else kept.steps.sequences.shape[1])
+
+    @staticmethod
+    def key(model, steps):
+        signature = steps.signature()
+        if signature is None:
+            return None
+        weights = tuple((x.data_ptr(), x._version, x.dtype, x.shape)
+                        for x in itertools.chain(model.parameters(), model.buffers()))
+        return signature, weights, getattr(triton_launch, "PROGRAMMATIC_LAUNCH", None)
+
+    @classmethod
+    def lend(cls, model, steps, cache):
+        """The model's kept step, loaded with `steps`' values and lent `cache`'s states, or a new one
+        that `steps` becomes (its graph captured at its first step); None where this call's settings
+        cannot be kept or another call holds the model's."""
+        key = cls.key(model, steps)
+        if key is None:
+            return None
+        with _KEPT_STEPS_LOCK:
+            kept = _KEPT_STEPS.get(model)
+            if kept is not None and kept.in_use:
+                return None
+            reused = kept is not None and kept.key == key
+            if not reused:
+                _KEPT_STEPS.pop(model, None)  # its graph and states freed before this call captures
+                kept = _KEPT_STEPS[model] = cls(key, steps, cache)
+            kept.in_use = True
+        if reused:
+            kept.steps.load(steps)
+        kept.steps.model, kept.steps.cache = model, cache
+        kept.cache_states = cache.swap_step_states(kept.states)
+        if reused:
+            torch._foreach_copy_(_state_tensors(kept.states), _state_tensors(kept.cache_states))
+        return kept
+
+    def take_back(self, cache, cache_outlives):
+        """The cache's own states back, with the call's values where the cache outlives the call."""
+        self.states = cache.swap_step_states(self.cache_states)
+        if cache_outlives:
+            torch._foreach_copy_(_state_tensors(self.cache_states), _state_tensors(self.states))
+        self.cache_states = self.steps.model = self.steps.cache = None  # the model must not be kept alive
+        with _KEPT_STEPS_LOCK:
+            self.in_use = False
+
+
+def release_kept_step(model):
+    """Free the model's kept step graph and states (the next call captures again)."""
+    with _KEPT_STEPS_LOCK:
+        _KEPT_STEPS.pop(model, None)
+
+
+def _state_tensors(states):
+    """The tensors of (conv_states, recurrent_states, side_by_side), in one order."""
+    conv_states, recurrent_states, _ = states
+    return [x for layer in (*conv_states, *recurrent_states) for x in layer if x is not None]

@@ -42,7 +42,8 @@ try:
     from .configuration_reslin import ResLinConfig
     from .constants_reslin import MAX_HEAD_DIM  # noqa: F401
     from .context_parallel_reslin import context_parallel_forward  # noqa: F401
-    from .generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run, runs_only_its_forward
+    from .generation_reslin import (CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run,
+                                    release_kept_step, runs_only_its_forward)
     from .inputs_reslin import (check_attention_mask, check_labels, check_logits_to_keep,
                                 check_model_inputs, check_prompt, check_token_values)
     from .kernels_reslin import reslin_attention, reslin_decode_step
@@ -50,7 +51,8 @@ try:
 except ImportError:
     from cache_reslin import ResLinCache
     from configuration_reslin import ResLinConfig
-    from generation_reslin import CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run, runs_only_its_forward
+    from generation_reslin import (CACHE_FIELD, DeviceDecoding, ResLinDecodeGraph, graph_can_run,
+                                   release_kept_step, runs_only_its_forward)
     from inputs_reslin import (check_attention_mask, check_labels, check_logits_to_keep,
                                check_model_inputs, check_prompt, check_token_values)
     from kernels_reslin import reslin_attention, reslin_decode_step
@@ -903,6 +905,11 @@ class ResLinForCausalLM(ResLinPreTrainedModel, GenerationMixin):
                              f"need the recurrent state rolled back, which ResLin's cache cannot do. Generate "
                              f"without them.")
         return super().generate(inputs, generation_config, **kwargs)
+
+    def release_generation_graph(self):
+        """Free the CUDA graph of a generation step, and the copy of the recurrent states it runs on,
+        that generate keeps for this model's next call (the next call captures again)."""
+        release_kept_step(self)
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):

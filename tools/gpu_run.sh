@@ -16,7 +16,7 @@
 #   tests-others   the GPU tests of every other file: conversion, fused layers, MQAR, and the two-GPU
 #                tests, which skip on one GPU (560; with tests-graphs it did not end within 560 s)
 #   tests-generation  the generation step's tests: generate's own loop, the fused step, its kernels, the greedy
-#                choice (560)
+#                choice, the step graph kept between calls (560)
 #   The test jobs name every test as it ends (-v), so that a job cut short says what ran.
 #   suite        the whole test suite, compiled kernels (600)
 #   layers       the fused layer kernels' tests and the PEFT tests, all of them compiled (240)
@@ -113,7 +113,7 @@ for name in "$@"; do
       --ignore tests/test_gpu.py --ignore tests/test_cuda_graphs.py ;;
     tests-generation) job tests-generation 560 python3 -m pytest -v -n 4 -p no:cacheprovider -m gpu \
       tests/test_generation_loop.py tests/test_fused_decode_step.py tests/test_decode_inputs.py tests/test_gemv_triton.py \
-      tests/test_greedy_choice.py ;;
+      tests/test_greedy_choice.py tests/test_kept_step.py ;;
     suite) job suite 600 python3 -m pytest -q -n 6 -p no:cacheprovider ;;
     layers) job layers 240 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_layers_triton.py tests/test_peft.py ;;
     convert) job convert 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_convert.py -k gpu_bf16 ;;
