@@ -19,8 +19,11 @@ A row, where a step is one new token for every row of the batch:
   tok/s, us/step  the decode alone: (N - 1) new tokens x B / (time of generate(N) - time of
                   generate(1)), medians of --repeats calls (FLA: one call of N tokens)
   prefill ms      generate(1): the prompt's forward and the first token
-  1st step ms     generate(2) - generate(1): the first step, which captures the step's CUDA graph
-                  (both loops capture once a call; tok/s carries it, spread over the N - 1 steps)
+  1st step ms     generate(2) - generate(1): the first step. Our loop replays the step's CUDA graph that
+                  an earlier call kept; transformers' loop captures one at each call (tok/s carries it,
+                  spread over the N - 1 steps)
+  capture ms      our loop: generate(2) with the kept graph released first, minus generate(2): what a
+                  call pays once where it must capture (a model's first call, or after its weights changed)
   GPU us          the GPU's busy time a step (the union of its kernels, copies and sets) from
                   torch.profiler over the same two calls: (busy(N) - busy(1)) / (N - 1); ops: their
                   count a step
@@ -192,6 +195,7 @@ class Measurement:
     step_us: float
     prefill_ms: float
     first_step_ms: float
+    capture_ms: float = None  # our loop's only
     gpu: Activity = None  # a step's, on CUDA only
 
 
@@ -224,21 +228,26 @@ def measure(model, prompt, new_tokens, repeats, whole_repeats):
         prefill = median_seconds(first, repeats)
         first_step = median_seconds(two, repeats) - prefill
         decode = median_seconds(whole, whole_repeats) - prefill
+        capture = None
+        if getattr(model.config, "generate_fast_path", False):
+            released = lambda: (model.release_generation_graph(), two())  # noqa: E731
+            capture = median_seconds(released, repeats) - prefill - first_step
         gpu = None
         if DEVICE == "cuda":
             before, after = gpu_activity(first), gpu_activity(whole)
             us_by_name = collections.Counter({name: (us - before.us_by_name[name]) / steps
                                               for name, us in after.us_by_name.items()})
             gpu = Activity((after.busy_us - before.busy_us) / steps, (after.ops - before.ops) / steps, us_by_name)
-    return Measurement(steps * prompt.shape[0] / decode, 1e6 * decode / steps, 1e3 * prefill, 1e3 * first_step, gpu)
+    return Measurement(steps * prompt.shape[0] / decode, 1e6 * decode / steps, 1e3 * prefill, 1e3 * first_step,
+                       None if capture is None else 1e3 * capture, gpu)
 
 
 class Table:
     """One row a model, loop and batch, printed as measured; the ratios to FLA and to gdn come
     from rows printed before (FLA's first, then ours gdn's)."""
 
-    COLUMNS = (f"{'model':8} {'loop':7} {'B':>3} {'tok/s':>9} {'us/step':>8} {'prefill ms':>10} {'1st step ms':>11} {'GPU us':>8} "
-               f"{'host us':>8} {'ops':>6} {'limit us':>8} {'of limit':>8} {'+state us':>9} {'of +state':>9} "
+    COLUMNS = (f"{'model':8} {'loop':7} {'B':>3} {'tok/s':>9} {'us/step':>8} {'prefill ms':>10} {'1st step ms':>11} "
+               f"{'capture ms':>10} {'GPU us':>8} {'host us':>8} {'ops':>6} {'limit us':>8} {'of limit':>8} {'+state us':>9} {'of +state':>9} "
                f"{'/FLA':>6} {'/gdn':>6}  goal")
 
     def __init__(self, copy_bw, top):
@@ -259,7 +268,8 @@ class Table:
         gpu_text = (f"{'-':>8} {'-':>8} {'-':>6}" if gpu is None else
                     f"{gpu.busy_us:8.1f} {measured.step_us - gpu.busy_us:8.1f} {gpu.ops:6.0f}")
         print(f"{name:8} {loop:7} {B:3d} {measured.tokens_per_s:9,.0f} {measured.step_us:8.1f} "
-              f"{measured.prefill_ms:10.1f} {measured.first_step_ms:11.2f} {gpu_text} {limit_us:8.1f} {limit_us / measured.step_us:8.1%} "
+              f"{measured.prefill_ms:10.1f} {measured.first_step_ms:11.2f} "
+              f"{'-' if measured.capture_ms is None else f'{measured.capture_ms:.1f}':>10} {gpu_text} {limit_us:8.1f} {limit_us / measured.step_us:8.1%} "
               f"{state_limit_us:9.1f} {state_limit_us / measured.step_us:9.1%} "
               f"{self.ratio(measured, self.fla.get(B), name == 'FLA gdn')} "
               f"{self.ratio(measured, self.gdn.get((loop, B)), name in ('gdn', 'FLA gdn'))}  "

@@ -83,9 +83,11 @@ def test_table_splits_a_step_into_gpu_and_host_time_and_lists_the_top_operations
     table = bench_generate.Table(copy_bw=1e12, top=2)
     gpu = bench_generate.Activity(busy_us=300.0, ops=40, us_by_name=bench_generate.collections.Counter(
         {"gemv": 200.0, "norm": 30.0, "decode": 70.0}))
-    table.row("gdn", "hf", "fast", 1, bench_generate.Measurement(1_000, 1_000.0, 5.0, 7.5, gpu), weights=1e8, states=1e7)
+    table.row("gdn", "hf", "fast", 1, bench_generate.Measurement(1_000, 1_000.0, 5.0, 7.5, 12.25, gpu),
+              weights=1e8, states=1e7)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split()[3:13] == ["1,000", "1000.0", "5.0", "7.50", "300.0", "700.0", "40", "100.0", "10.0%", "110.0"]
+    assert lines[1].split()[3:14] == ["1,000", "1000.0", "5.0", "7.50", "12.2", "300.0", "700.0", "40", "100.0", "10.0%",
+                                      "110.0"]
     assert [line.split() for line in lines[2:]] == [["200.0", "us", "a", "step", "gemv"],
                                                     ["70.0", "us", "a", "step", "decode"]]
 
@@ -99,7 +101,8 @@ def test_smoke_run_prints_a_row_per_loop_and_the_goals(capsys):
     for row in rows:
         assert row[2] == "1" and float(row[3].replace(",", "")) != 0 and float(row[5]) > 0  # B, tok/s, prefill ms
         assert float(row[6]) != 0  # the first step (negative where the CPU's noise exceeds it)
-        assert row[7:10] == ["-", "-", "-"]  # the GPU's and the host's times need CUDA
+        assert (row[7] == "-") == (row[1] == "hf")  # a capture's cost: our loop's only
+        assert row[8:11] == ["-", "-", "-"]  # the GPU's and the host's times need CUDA
     assert re.fullmatch(r"goals: [01] of 1 met", lines[-1])
 
 
