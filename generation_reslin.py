@@ -451,7 +451,7 @@ class KeptStep:
             return None
         weights = tuple((x.data_ptr(), x._version, x.dtype, x.shape)
                         for x in itertools.chain(model.parameters(), model.buffers()))
-        return signature, weights, getattr(triton_launch, "PROGRAMMATIC_LAUNCH", None)
+        return signature, weights, getattr(triton_launch, "PROGRAMMATIC_LAUNCH_MAX_ROWS", None)
 
     @classmethod
     def lend(cls, model, steps, cache):

@@ -48,7 +48,13 @@ DOT_BLOCK_N = 32
 DOT_BLOCK_K = 256  # of one weight in 2-byte elements: half of it in fp32, a quarter for SwiGLU's two weights
 DOT_STAGES = 4
 DOT_SWAP_AB = False  # weight @ x.T from two rows on: bench_gemv.py --sweep times it against x @ weight.T
-GATED_DOT_STAGES = 2  # the gated head norm's: ranked first at 4 and 16 rows (bench_gemv.py --sweep)
+GATED_DOT_STAGES = 3  # the gated head norm's, at 16 rows: 8-11% faster than 2 (bench_gemv.py --sweep)
+# Up to this many rows the gated head norm runs a program a row, each over GATED_ONE_ROW_BLOCK_N
+# outputs and the whole K on 8 warps: its 16-row tiles leave N / DOT_BLOCK_N programs (32 at 400M);
+# at 4 rows this took 0.46x (400M) and 0.61x (1.3B) their time (bench_gemv.py --sweep, H100). On 4
+# warps it took up to 244 registers under PDL, which loads its weights before the wait (126 on 8).
+GATED_ONE_ROW_MAX_ROWS = 4
+GATED_ONE_ROW_BLOCK_N = 8
 
 
 @_Launcher
@@ -213,18 +219,22 @@ def gemv_launch(M, N, K_span, group_block, weights, element_bytes):
     1030 programs). x, read by every program, stays in each SM's L1. Fewer rows a program where
     that leaves fewer than PROGRAMS_TO_FILL programs.
 
+    The gated norm up to GATED_ONE_ROW_MAX_ROWS rows: a program a row, as at one row.
+
     More rows: tl.dot tiles of 16 rows and DOT_BLOCK_N outputs, chunks along K that Triton's
     software pipeline keeps DOT_STAGES deep in flight through shared memory (GATED_DOT_STAGES for
     the gated norm); SwiGLU's short chunks, two weights of 64 positions, ranked first at 4 and
     16 rows (1.3-1.5x faster than chunks of 128)."""
     K_block = max(16, _next_power_of_2(K_span))
     gated = group_block > 1
+    one_row_K = max(group_block, min(K_block, MAX_BLOCK_K))
     if M == 1:
-        BLOCK_K = max(group_block, min(K_block, MAX_BLOCK_K))
-        BLOCK_N = max(1, ONE_ROW_TILE // BLOCK_K)
+        BLOCK_N = max(1, ONE_ROW_TILE // one_row_K)
         while BLOCK_N > 1 and _cdiv(N, BLOCK_N) < PROGRAMS_TO_FILL:
             BLOCK_N //= 2
-        return 1, BLOCK_N, BLOCK_K, 8 if gated else 2 * element_bytes, 1, False
+        return 1, BLOCK_N, one_row_K, 8 if gated else 2 * element_bytes, 1, False
+    if gated and M <= GATED_ONE_ROW_MAX_ROWS:
+        return 1, GATED_ONE_ROW_BLOCK_N, one_row_K, 8, 1, False
     chunk = DOT_BLOCK_K * 2 // element_bytes // (1 if weights == 1 else 4)
     BLOCK_K = max(group_block, min(K_block, max(16, chunk)))
     return DOT_BLOCK_M, DOT_BLOCK_N, BLOCK_K, 4, GATED_DOT_STAGES if gated else DOT_STAGES, DOT_SWAP_AB
@@ -295,7 +305,7 @@ def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, head_d
     K_span, constexprs, warps, stages = gemv_config(M, N, K, x.element_size(), norm, head_dim, up_weight is not None,
                                                     residual is not None)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    pdl = programmatic_launch(x)
+    pdl = programmatic_launch(rows)
     if M:
         grid = (_cdiv(N, constexprs["BLOCK_N"]), _cdiv(M, constexprs["BLOCK_M"]))
         _gemv_kernel[grid](rows, gate, norm_weight, weight, up_weight, residual, y, M, N, K, K_span, rows.stride(0),

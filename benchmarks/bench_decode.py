@@ -105,7 +105,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, help="replays timed, the median printed; default 10 (--smoke: 2)")
     parser.add_argument("--pdl", action="store_true",
                         help="ours also under programmatic dependent launch (kernels_reslin_triton_launch."
-                             "PROGRAMMATIC_LAUNCH), a row 'ours RULE pdl' after each of ours")
+                             "PROGRAMMATIC_LAUNCH_MAX_ROWS, here for every batch size), a row 'ours RULE pdl' "
+                             "after each of ours, which runs without it")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script itself (runs on a CPU)")
     args = parser.parse_args(argv)
     smoke = args.smoke

@@ -21,8 +21,8 @@ than CALLS): one matrix read again and again would stay in L2 and time its bandw
     python benchmarks/bench_gemv.py --smoke   # tiny sizes on a CPU (Triton's interpreter): checks the script runs
 
 --sweep times ours under other launch tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab)
-besides gemv_launch's own pick, fastest first: what to change in gemv_launch. --pdl times ours
-again under programmatic dependent launch, in a column of its own.
+besides gemv_launch's own pick, fastest first: what to change in gemv_launch. Ours and the sweep
+run without programmatic dependent launch; --pdl times ours again under it, in a column of its own.
 """
 
 import argparse
@@ -131,7 +131,8 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true", help="also ours under other launch tiles")
     parser.add_argument("--pdl", action="store_true",
                         help="ours also under programmatic dependent launch (kernels_reslin_triton_launch."
-                             "PROGRAMMATIC_LAUNCH): a column 'PDL us'")
+                             "PROGRAMMATIC_LAUNCH_MAX_ROWS, here for every row count): a column 'PDL us'; "
+                             "the other columns are without it")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a call a replay (for a CPU)")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -142,7 +143,8 @@ def main(argv=None):
     print(f"{'entry point':22} {'shape':5} {'rows':>4} {'ours us':>8} {'GB/s':>6} {'unfused us':>10} {'GB/s':>6} "
           f"{'ratio':>6} {'rel err':>8}{' PDL us' if args.pdl else ''}  "
           f"ours' tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab)")
-    with torch.no_grad():
+    # Ours and the sweep without PDL at any batch size (each kernel alone), the PDL column with it.
+    with torch.no_grad(), programmatic_launch(triton_launch, False):
         for shape in args.shapes:
             hidden, heads, inner = SHAPES[shape]
             for name in args.entry_points:

@@ -12,8 +12,9 @@ For every batch size in --batches, each model generates greedily after the same 
 --prompt-tokens tokens, min_new_tokens = max_new_tokens = --new-tokens (EOS cannot stop it), after
 a warm-up generate (compilation, autotuning, graph capture). Ours runs twice a batch, in one
 process: with its default loop ("fast", config.generate_fast_path = True) and with transformers'
-loop ("hf", generate_fast_path = False); with --loops, also "pdl", the default loop with the
-step's kernels under programmatic dependent launch (kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH).
+loop ("hf", generate_fast_path = False); with --loops, also "pdl" and "no-pdl", the default loop
+with the step's kernels under programmatic dependent launch at every batch size and at none (by
+default, up to kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH_MAX_ROWS rows).
 
 A row, where a step is one new token for every row of the batch:
   tok/s, us/step  the decode alone: (N - 1) new tokens x B / (time of generate(N) - time of
@@ -96,9 +97,10 @@ def parameters(model):
     return f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"
 
 
-# label: (config.generate_fast_path, kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH) of the loops
-# a model of ours may run (--loops); "fast" is the default loop, whose row the goals read.
-LOOPS = {"fast": (True, False), "hf": (False, False), "pdl": (True, True)}
+# label: (config.generate_fast_path, programmatic dependent launch: None as kernels_reslin_triton_launch's
+# PROGRAMMATIC_LAUNCH_MAX_ROWS has it, else at every batch size or at none) of the loops a model of ours
+# may run (--loops); "fast" is the default loop, whose row the goals read.
+LOOPS = {"fast": (True, None), "hf": (False, None), "pdl": (True, True), "no-pdl": (True, False)}
 
 
 def launch_module(model):
@@ -305,7 +307,8 @@ def main(argv=None):
     parser.add_argument("--rules", nargs="+", choices=list(RULES), default=["gdn", "kla", "rla", "rdn", "sgla", "rkla"])
     parser.add_argument("--repeats", type=int, default=3, help="calls timed a measure, the median kept")
     parser.add_argument("--loops", nargs="+", choices=list(LOOPS), default=["fast", "hf"],
-                        help="our loops to time, fast first where given (pdl: fast with programmatic dependent launch)")
+                        help="our loops to time, fast first where given (pdl, no-pdl: fast with programmatic "
+                             "dependent launch at every batch size, at none)")
     parser.add_argument("--no-fla", action="store_true", help="leave FLA's generate out (the longest part of a run)")
     parser.add_argument("--top", type=int, default=0, help="list the TOP operations by GPU time a step under each row")
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"],
@@ -347,10 +350,10 @@ def main(argv=None):
         for B in args.batches:
             weights, states = weight_read_bytes(model, B), state_bytes(model, prompts[B])
             for loop in model_loops:
-                pdl = False
+                pdl = None
                 if loop in LOOPS:
                     model.config.generate_fast_path, pdl = LOOPS[loop]
-                with programmatic_launch(launch_module(model)) if pdl else contextlib.nullcontext():
+                with contextlib.nullcontext() if pdl is None else programmatic_launch(launch_module(model), pdl):
                     measured = measure(model, prompts[B], args.new_tokens, args.repeats, whole_repeats)
                 table.row(name, loop, "fast" if loop in LOOPS else "eager", B, measured, weights, states)
         del model

@@ -199,13 +199,14 @@ def copies_past_l2(make, nbytes):
 @contextlib.contextmanager
 def programmatic_launch(launch_module, on=True):
     """Within the block, `launch_module` (a kernels_reslin_triton_launch, the plain import or a
-    model's remote-code copy) launches the step's kernels with programmatic dependent launch if
-    `on`; switched back off after."""
-    launch_module.PROGRAMMATIC_LAUNCH = on
+    model's remote-code copy) launches the step's kernels with programmatic dependent launch at
+    every batch size if `on`, at none if not; its own setting back after."""
+    default = launch_module.PROGRAMMATIC_LAUNCH_MAX_ROWS
+    launch_module.PROGRAMMATIC_LAUNCH_MAX_ROWS = 2**62 if on else 0
     try:
         yield
     finally:
-        launch_module.PROGRAMMATIC_LAUNCH = False
+        launch_module.PROGRAMMATIC_LAUNCH_MAX_ROWS = default
 
 
 def host_ms(fn, repeats=10):

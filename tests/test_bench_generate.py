@@ -116,10 +116,11 @@ def test_smoke_run_times_the_loops_asked_for(capsys):
 def test_decode_smoke_run_with_pdl_times_each_of_ours_both_ways(monkeypatch, capsys):
     monkeypatch.setattr(bench_decode, "import_fla", lambda: None)
     monkeypatch.setattr(bench_decode, "import_flashinfer_gdn", lambda: (None, "left out"))
+    default = bench_decode.triton_launch.PROGRAMMATIC_LAUNCH_MAX_ROWS
     bench_decode.main(["--smoke", "--rules", "gdn", "rdn", "--batches", "1", "--heads", "2", "--repeats", "1", "--pdl"])
     rows = [line[:42].strip() for line in capsys.readouterr().out.splitlines()[4:]]
     assert rows == ["ours gdn", "ours gdn pdl", "ours rdn", "ours rdn pdl"]
-    assert not bench_decode.triton_launch.PROGRAMMATIC_LAUNCH
+    assert bench_decode.triton_launch.PROGRAMMATIC_LAUNCH_MAX_ROWS == default
 
 
 @pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")

@@ -5,7 +5,7 @@ On a CPU the fused kernels run in Triton's interpreter in fp32 and are called di
 takes the fused step on CUDA only): hidden states within 1e-4, states within 1e-5. On the GPU
 (`pytest -m gpu`) the model's own switch compares the two paths in bf16 at the 400M block shape:
 hidden states within 2e-2 relative to their scale, greedy tokens equal; and programmatic
-dependent launch (kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH) changes no bit.
+dependent launch (kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH_MAX_ROWS) changes no bit.
 """
 
 import copy
@@ -108,7 +108,7 @@ class TestOnGPU:
             model.config.generate_fast_path = fast_path
             outputs = {}
             for pdl in (False, True):
-                monkeypatch.setattr(launch, "PROGRAMMATIC_LAUNCH", pdl)
+                monkeypatch.setattr(launch, "PROGRAMMATIC_LAUNCH_MAX_ROWS", batch if pdl else 0)
                 assert launch.programmatic_launch(ids)["PDL"] == pdl
                 outputs[pdl] = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False,
                                               return_dict_in_generate=True)

@@ -6,6 +6,8 @@ part empty: in Triton's interpreter on a CPU, compiled on a GPU (`pytest -m gpu`
 runs it in bf16 through generate).
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -27,7 +29,8 @@ def steps_pair(eos, minimum_lengths, batch, new_tokens):
         do_sample=False, processors=[(length, torch.tensor(ids)) for length, ids in minimum_lengths],
         max_length=10 + new_tokens, eos_token_id=None if eos is None else torch.tensor(eos),
         pad_token_id=None if eos is None else torch.tensor(0))
-    torch_steps, fused_steps = (generation._Steps(decoding, model, None, batch, 10, new_tokens, DEVICE)
+    cache = sys.modules[type(model).__module__].ResLinCache(model.config, batch)  # no states: no graph
+    torch_steps, fused_steps = (generation._Steps(decoding, model, cache, batch, 10, new_tokens, DEVICE)
                                 for _ in range(2))
     assert fused_steps.fused_choice == (DEVICE.type == "cuda")  # a CPU's loop keeps the torch code: forced here
     torch_steps.fused_choice, fused_steps.fused_choice = False, True

@@ -148,7 +148,7 @@ def test_other_batch_sizes_settings_and_release_capture_again(captures, reslin, 
     assert captures() == 5
     launch = generation_module(reslin).triton_launch
     if launch is not None:
-        monkeypatch.setattr(launch, "PROGRAMMATIC_LAUNCH", not launch.PROGRAMMATIC_LAUNCH)
+        monkeypatch.setattr(launch, "PROGRAMMATIC_LAUNCH_MAX_ROWS", launch.PROGRAMMATIC_LAUNCH_MAX_ROWS + 1)
         model.generate(prompt(3, 6, 1), max_new_tokens=8, do_sample=False)
         assert captures() == 6
 

@@ -121,12 +121,15 @@ def test_a_programmatic_launch_reaches_the_binary_as_tritons_runner_passes_it(la
     assert launcher.kernel.launches[1][1] == _tritons_c_arguments((4, 1, 1), 7, (x, 64, 0.5, 16, 2.0), pdl=True)
 
 
-def test_programmatic_launch_only_on_cuda_from_sm90_and_when_switched_on(monkeypatch):
+def test_programmatic_launch_only_on_cuda_from_sm90_and_up_to_its_rows(monkeypatch):
     on_cuda = torch.zeros(4).as_subclass(_OnCuda)
     monkeypatch.setattr(kernels_reslin_triton_launch, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(kernels_reslin_triton_launch, "PROGRAMMATIC_LAUNCH_MAX_ROWS", 0)
     assert kernels_reslin_triton_launch.programmatic_launch(on_cuda) == {"PDL": False}  # switched off
-    monkeypatch.setattr(kernels_reslin_triton_launch, "PROGRAMMATIC_LAUNCH", True)
+    monkeypatch.setattr(kernels_reslin_triton_launch, "PROGRAMMATIC_LAUNCH_MAX_ROWS", 4)
     assert kernels_reslin_triton_launch.programmatic_launch(on_cuda) == {"PDL": True, "launch_pdl": True}
+    five_rows = torch.zeros(5, 1, 8).as_subclass(_OnCuda)
+    assert kernels_reslin_triton_launch.programmatic_launch(five_rows) == {"PDL": False}  # past the rows
     assert kernels_reslin_triton_launch.programmatic_launch(torch.zeros(4)) == {"PDL": False}  # interpreter
     monkeypatch.setattr(torch.version, "hip", "6.4")
     assert kernels_reslin_triton_launch.programmatic_launch(on_cuda) == {"PDL": False}  # ROCm: no griddepcontrol

@@ -20,6 +20,7 @@ kernels_reslin_triton_tuning (`launch_variants`), the choices the host code make
 """
 
 import argparse
+import itertools
 import inspect
 import os
 import re
@@ -302,7 +303,7 @@ def main():
             failures += report(label, lambda: compile_layer_variant(fn, constexprs, absent, pointer_type, warps),
                                args.registers)
         for name, K, N, norm, head_dim, swiglu, residual in GEMV_SHAPES:
-            for M, pdl in ((1, False), (1, True), (16, False), (16, True)):  # PDL: programmatic_launch
+            for M, pdl in itertools.product((1, 4, 16), (False, True)):  # PDL: programmatic_launch
                 _, constexprs, warps, stages = gemv_kernels.gemv_config(
                     M, N, K, DTYPES[dtype][0].primitive_bitwidth // 8, norm, head_dim, swiglu, residual)
                 blocks = " ".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB"))
