@@ -60,8 +60,10 @@ GATED_ONE_ROW_BLOCK_N = 8
 @_Launcher
 @triton.jit
 def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, residual_ptr, y_ptr,
+                 q_state_ptr, k_state_ptr, v_state_ptr, q_taps_ptr, k_taps_ptr, v_taps_ptr, KEY_WIDTH, VALUE_WIDTH,
                  M, N, K, K_SPAN, x_stride, gate_stride, residual_stride, eps,
                  NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
+                 CONV_SIZE: tl.constexpr, CONV_SLOTS: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
                  PDL: tl.constexpr, PRELOAD: tl.constexpr):
@@ -73,7 +75,8 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     each chunk, which holds whole heads. K is walked as K_SPAN padded positions, GROUP_BLOCK (a
     power of two) a group, of which the first GROUP are channels: a head of 48 channels takes 64
     lanes. Without groups GROUP == GROUP_BLOCK and a position is a channel. SWIGLU: silu(x @
-    weight.T) * (x @ up_weight.T). RESIDUAL: residual + the product.
+    weight.T) * (x @ up_weight.T). RESIDUAL: residual + the product. CONV_SIZE (0: none): the
+    outputs that are q, k and v (`_convolve_outputs`) through their short convolutions.
 
     BLOCK_M == 1 (one token) multiplies the weight tile by the broadcast x row and sums along K:
     every lane loads weight straight into registers, and nothing is padded. From two rows on, a
@@ -172,10 +175,60 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
         up = up_acc.to(y_ptr.dtype.element_ty).to(tl.float32)
         y = y * tl.sigmoid(y) * up
     y_ok = row_ok[:, None] & out_ok[None, :]
+    if CONV_SIZE:
+        y = _convolve_outputs(y, rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr, q_taps_ptr, k_taps_ptr,
+                              v_taps_ptr, KEY_WIDTH, VALUE_WIDTH, CONV_SIZE, CONV_SLOTS)
     if RESIDUAL:
         y += tl.load(residual_ptr + rows.to(tl.int64)[:, None] * residual_stride + outs[None, :], mask=y_ok,
                      other=0.0).to(tl.float32)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + outs[None, :], y.to(y_ptr.dtype.element_ty), mask=y_ok)
+
+
+@triton.jit
+def _convolve_outputs(y, rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr, q_taps_ptr, k_taps_ptr, v_taps_ptr,
+                      KEY_WIDTH, VALUE_WIDTH, K: tl.constexpr, SLOTS: tl.constexpr):
+    """y [rows, outs] (fp32, rounded to the output's dtype) with its q, k and v columns (q | k | v:
+    KEY_WIDTH, KEY_WIDTH and VALUE_WIDTH channels from column 0) through their short convolutions,
+    as ResLinShortConvolution runs them: silu(the taps [channels, K] times the window [state, y])
+    summed in fp32. Each channel's state [rows, channels, K - 1] then moves along by y, in place. A
+    program owns its outputs' channels: no other program reads the states it writes."""
+    segment = tl.where(outs < KEY_WIDTH, 0, tl.where(outs < 2 * KEY_WIDTH, 1, 2))  # q, k, v (or past them)
+    channel = outs - segment * KEY_WIDTH
+    width = tl.where(segment == 2, VALUE_WIDTH, KEY_WIDTH)
+    column_ok = channel < width
+    in_q, in_k, in_v = column_ok & (segment == 0), column_ok & (segment == 1), column_ok & (segment == 2)
+    taps_offsets = channel * K
+    pre = y * _segment_load(q_taps_ptr, k_taps_ptr, v_taps_ptr, taps_offsets + K - 1, in_q, in_k, in_v)
+    slots = tl.arange(0, SLOTS)  # SLOTS: K - 1 as a power of two
+    slot_ok = slots < K - 1
+    state_offsets = ((rows.to(tl.int64)[:, None] * width[None, :] + channel[None, :]) * (K - 1))[:, :, None] + \
+        slots[None, None, :]
+    owned = y_ok[:, :, None] & slot_ok[None, None, :]
+    window = _segment_load(q_state_ptr, k_state_ptr, v_state_ptr, state_offsets,
+                           owned & in_q[None, :, None], owned & in_k[None, :, None], owned & in_v[None, :, None])
+    taps = _segment_load(q_taps_ptr, k_taps_ptr, v_taps_ptr, taps_offsets[:, None] + slots[None, :],
+                         in_q[:, None] & slot_ok[None, :], in_k[:, None] & slot_ok[None, :],
+                         in_v[:, None] & slot_ok[None, :])
+    pre += tl.sum(window.to(tl.float32) * taps.to(tl.float32)[None, :, :], axis=2)
+    # The new state: slot j holds the window's input j + 1, the last slot this token's y.
+    moved = (slots + 1 < K - 1)[None, None, :]
+    shifted = _segment_load(q_state_ptr, k_state_ptr, v_state_ptr, state_offsets + 1, owned & moved & in_q[None, :, None],
+                            owned & moved & in_k[None, :, None], owned & moved & in_v[None, :, None])
+    shifted = tl.where(moved, shifted, y[:, :, None].to(shifted.dtype))
+    # Every read of the old states before the first write: a small tile is held by several threads.
+    tl.debug_barrier()
+    tl.store(q_state_ptr + state_offsets, shifted, mask=owned & in_q[None, :, None])
+    tl.store(k_state_ptr + state_offsets, shifted, mask=owned & in_k[None, :, None])
+    tl.store(v_state_ptr + state_offsets, shifted, mask=owned & in_v[None, :, None])
+    convolved = (in_q | in_k | in_v)[None, :]
+    return tl.where(convolved, pre * tl.sigmoid(pre), y)
+
+
+@triton.jit
+def _segment_load(q_ptr, k_ptr, v_ptr, offsets, in_q, in_k, in_v):
+    """The element at `offsets` of whichever of the three tensors its (disjoint) mask names, else 0."""
+    return (tl.load(q_ptr + offsets, mask=in_q, other=0.0) + tl.load(k_ptr + offsets, mask=in_k, other=0.0)
+            + tl.load(v_ptr + offsets, mask=in_v, other=0.0))
 
 
 @triton.jit
@@ -282,51 +335,88 @@ def _check_norm_weight(norm_weight, size, x, what):
     return norm_weight.contiguous()
 
 
-def gemv_config(M, N, K, element_bytes, norm, head_dim=None, swiglu=False, residual=False):
+def gemv_config(M, N, K, element_bytes, norm, head_dim=None, swiglu=False, residual=False, conv_size=0):
     """(K_SPAN, constexprs, num_warps, num_stages) of `_gemv_kernel` for M rows of K channels and N
     outputs of element_bytes each: the host's launch, and tools/compile_for_gpu.py's variants.
-    `head_dim`: the group of the "gated_heads" norm."""
+    `head_dim`: the group of the "gated_heads" norm; `conv_size`: the short convolutions' taps."""
     group_block = _next_power_of_2(head_dim) if norm == "gated_heads" else None
     K_span = K // head_dim * group_block if group_block else K
     BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab = gemv_launch(M, N, K_span, group_block or 1,
                                                                     2 if swiglu else 1, element_bytes)
     group, group_block = (head_dim, group_block) if group_block else (BLOCK_K, BLOCK_K)  # else a position is a channel
-    constexprs = dict(NORM=norm, SWIGLU=swiglu, RESIDUAL=residual, GROUP=group, GROUP_BLOCK=group_block,
+    constexprs = dict(NORM=norm, SWIGLU=swiglu, RESIDUAL=residual, CONV_SIZE=conv_size,
+                      CONV_SLOTS=_next_power_of_2(max(conv_size - 1, 1)), GROUP=group, GROUP_BLOCK=group_block,
                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SWAP_AB=swap_ab)
     return K_span, constexprs, warps, stages
 
 
 @_on_inputs_device
-def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, head_dim=None, weight_just_written=False):
+def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, head_dim=None, weight_just_written=False,
+            convolutions=None):
     """y [..., N] in x's dtype; gate and residual as row views (`token_rows`)."""
     rows = token_rows(x)
     M, K = rows.shape
     N = weight.shape[0]
+    taps, states = convolutions or ((None,) * 3, (None,) * 3)
+    conv_size = 0 if convolutions is None else taps[0].shape[-1]
     K_span, constexprs, warps, stages = gemv_config(M, N, K, x.element_size(), norm, head_dim, up_weight is not None,
-                                                    residual is not None)
+                                                    residual is not None, conv_size)
+    widths = (0, 0) if convolutions is None else (taps[0].shape[0], taps[2].shape[0])
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     pdl = programmatic_launch(rows)
     if M:
         grid = (_cdiv(N, constexprs["BLOCK_N"]), _cdiv(M, constexprs["BLOCK_M"]))
-        _gemv_kernel[grid](rows, gate, norm_weight, weight, up_weight, residual, y, M, N, K, K_span, rows.stride(0),
+        _gemv_kernel[grid](rows, gate, norm_weight, weight, up_weight, residual, y, *states, *taps, *widths,
+                           M, N, K, K_span, rows.stride(0),
                            0 if gate is None else gate.stride(0), 0 if residual is None else residual.stride(0), eps,
                            **constexprs, **pdl, PRELOAD=pdl["PDL"] and not weight_just_written, num_warps=warps,
                            num_stages=stages)
     return y.view(*x.shape[:-1], N)
 
 
-def rms_norm_linear(x, norm_weight, eps, weight, *, weight_just_written=False):
+def rms_norm_linear(x, norm_weight, eps, weight, *, weight_just_written=False, convolutions=None):
     """F.linear(rms_norm(x) * norm_weight, weight) for x [..., K], norm_weight [K], weight [N, K]:
     [..., N] in x's dtype. Rounds as rms_norm then F.linear do: the normed x to x's dtype, the fp32
     product to x's dtype. `weight_just_written`: the kernel launched just before wrote `weight` (a
     cache's new side-by-side copy), which under programmatic dependent launch is then not loaded
-    before that kernel's end (`_gemv_kernel`)."""
+    before that kernel's end (`_gemv_kernel`).
+
+    `convolutions`: ((q, k, v) taps [D, 1, C], (q, k, v) states [B, D, C - 1]) of a linear attention
+    layer's short convolutions, for x [B, 1, K] one token a row whose first outputs are q | k | v:
+    those come out as silu(convolution) of the product (summed in fp32 from its rounded value), and
+    the states, contiguous in x's dtype (oldest input first), move along by it in place."""
     N, K = _check_weight("weight", weight)
     _check_input("x", x, K)
     _check_like("weight", weight, x, "x")
     norm_weight = _check_norm_weight(norm_weight, K, x, "x's width")
     _check_no_grad(x, norm_weight, weight)
-    return _launch(x, None, norm_weight, float(eps), weight, None, None, "row", weight_just_written=weight_just_written)
+    if convolutions is not None:
+        _check_convolutions(convolutions, x, N)
+    return _launch(x, None, norm_weight, float(eps), weight, None, None, "row", weight_just_written=weight_just_written,
+                   convolutions=convolutions)
+
+
+def _check_convolutions(convolutions, x, N):
+    """ValueErrors naming the convolutions' tensor at fault (shapes, dtypes, devices alone)."""
+    if len(convolutions) != 2 or any(len(part) != 3 for part in convolutions):
+        raise ValueError("convolutions must be ((q, k, v) taps, (q, k, v) states)")
+    taps, states = convolutions
+    C = taps[0].shape[-1] if taps[0].dim() == 3 else 0
+    if C < 2:
+        raise ValueError(f"the convolutions' taps must be [D, 1, C] with C >= 2, got q's {tuple(taps[0].shape)}")
+    if x.dim() != 3 or x.shape[1] != 1:
+        raise ValueError(f"with convolutions, x must be [B, 1, K] (one token a row), got {tuple(x.shape)}")
+    B = x.shape[0]
+    widths = [taps[0].shape[0], taps[0].shape[0], taps[2].shape[0]]
+    if sum(widths) > N:
+        raise ValueError(f"the convolutions' {sum(widths)} channels (q | k | v) exceed the product's {N} outputs")
+    for name, tap, state, D in zip("qkv", taps, states, widths):
+        if tap.shape != (D, 1, C) or not tap.is_contiguous() or tap.device != x.device:
+            raise ValueError(f"the convolutions' {name} taps must be contiguous [{D}, 1, {C}] on {x.device}, got "
+                             f"{_describe(tap)}")
+        if state.shape != (B, D, C - 1) or state.dtype != x.dtype or not state.is_contiguous() or state.device != x.device:
+            raise ValueError(f"the convolutions' {name} state must be contiguous [{B}, {D}, {C - 1}] {x.dtype} on "
+                             f"{x.device}, got {_describe(state)}{'' if state.is_contiguous() else ', not contiguous'}")
 
 
 def rms_norm_swiglu(x, norm_weight, eps, gate_weight, up_weight):

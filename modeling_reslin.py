@@ -13,7 +13,7 @@ Padding: a padded position leaves every state as it found it (its conv input is 
 g = beta = gamma = 0 there), and full attention layers mask padded keys and take RoPE positions
 from the mask, so each row of a padded batch gives the logits of that row run alone.
 
-Generation on CUDA: a recurrent block's step runs six fused kernels (ResLinBlock.fused_decode_step),
+Generation on CUDA: a recurrent block's step runs five fused kernels (ResLinBlock.fused_decode_step),
 a step of a model whose layers are all recurrent is replayed from a CUDA graph, and `generate`
 chooses tokens on the device (generation_reslin.py): a step's launches, not its bytes, are its cost.
 """
@@ -63,7 +63,7 @@ try:
         from .kernels_reslin_triton_backward import chunk_backward  # noqa: F401
         from .kernels_reslin_triton_choice import greedy_choice  # noqa: F401
         from .kernels_reslin_triton_common import TRITON_DTYPES  # noqa: F401
-        from .kernels_reslin_triton_decode import decode_inputs
+        from .kernels_reslin_triton_decode import projected_decode_step
         from .kernels_reslin_triton_forward import chunk_forward  # noqa: F401
         from .kernels_reslin_triton_gemv import gated_rms_norm_linear, linear_residual, rms_norm_linear, rms_norm_swiglu
         from .kernels_reslin_triton_launch import _Launcher  # noqa: F401
@@ -74,7 +74,7 @@ try:
         from .kernels_reslin_triton_tuning import CHUNK_SIZE  # noqa: F401
         from .kernels_reslin_triton_wy import _chunk_wy_kernel  # noqa: F401
     except ImportError:
-        from kernels_reslin_triton_decode import decode_inputs
+        from kernels_reslin_triton_decode import projected_decode_step
         from kernels_reslin_triton_gemv import gated_rms_norm_linear, linear_residual, rms_norm_linear, rms_norm_swiglu
         from kernels_reslin_triton_layers import gates as fused_gates, rms_norm as fused_rms_norm
         from kernels_reslin_triton_layers import short_convolution as fused_short_convolution, swiglu as fused_swiglu
@@ -265,20 +265,21 @@ class ResLinLinearAttention(nn.Module):
         return projections + [self.g_proj]
 
     def fused_decode_step(self, x, norm, cache):
-        """x + this layer's output at a generation step on CUDA, in four launches (the block's norm
-        with the projections' one product over their weights side by side, kept by the cache; the
-        short convolutions, gates and KLA's step; the decode kernel; the gated output norm with the
-        output projection and the residual add), where the unfused step launches about fourteen."""
+        """x + this layer's output at a generation step on CUDA, in three launches (the block's norm
+        with the projections' one product over their weights side by side, kept by the cache, and
+        the short convolutions of its q, k and v; the decode kernel, which forms the L2 norms, the
+        gates and KLA's step; the gated output norm with the output projection and the residual
+        add), where the unfused step launches about fourteen."""
         weight, made_now = cache.side_by_side_weight(self.layer_idx, [p.weight for p in self.projections()])
-        projected = rms_norm_linear(x, norm.weight, norm.eps, weight, weight_just_written=made_now)
-        q, k, v, g, beta, gamma, gamma_write = decode_inputs(
-            projected, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight),
-            cache.conv_states[self.layer_idx], self.A_log, self.dt_bias, num_heads=self.num_heads,
-            head_dim=self.head_dim, num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim,
-            residual=self.use_residual, kaczmarz=self.step_rule == "kaczmarz", kaczmarz_eps=self.kaczmarz_eps)
-        o = reslin_decode_step(q, k, v, g, beta, cache.recurrent_states[self.layer_idx], gamma=gamma,
-                               gamma_write=gamma_write, update=self.update_rule, clip=self.residual_clip,
-                               backend=self.kernel_backend)
+        convolutions = ((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight),
+                        cache.conv_states[self.layer_idx])
+        projected = rms_norm_linear(x, norm.weight, norm.eps, weight, weight_just_written=made_now,
+                                    convolutions=convolutions)
+        S, R = cache.recurrent_states[self.layer_idx]
+        o = projected_decode_step(projected, self.A_log, self.dt_bias, S, R, num_heads=self.num_heads,
+                                  head_dim=self.head_dim, num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim,
+                                  update=self.update_rule, clip=self.residual_clip,
+                                  kaczmarz=self.step_rule == "kaczmarz", kaczmarz_eps=self.kaczmarz_eps)
         gate = projected[..., projected.shape[-1] - self.g_proj.out_features:]
         return gated_rms_norm_linear(o.flatten(-2), gate, self.o_norm.weight, self.o_norm.eps, self.head_v_dim,
                                      self.o_proj.weight, x)
@@ -518,9 +519,10 @@ class ResLinBlock(GradientCheckpointingLayer):
                                               self.mlp.up_proj, self.mlp.down_proj])))
 
     def fused_decode_step(self, hidden_states, cache):
-        """The block at a generation step in six launches (ResLinLinearAttention.fused_decode_step,
+        """The block at a generation step in five launches (ResLinLinearAttention.fused_decode_step,
         then the MLP's norm with its gate and up products and SwiGLU, and its down product with the
-        residual add): the same operations as `forward`, rounded at the same points."""
+        residual add): the same operations as `forward`, rounded at the same points but for q and k,
+        rounded before their L2 norm."""
         hidden_states = self.attn.fused_decode_step(hidden_states, self.attn_norm, cache)
         mlp = self.mlp
         up = rms_norm_swiglu(hidden_states, self.mlp_norm.weight, self.mlp_norm.eps, mlp.gate_proj.weight,

@@ -1,4 +1,4 @@
-"""ResLinBlock.fused_decode_step (six launches a block at a generation step) against the block's
+"""ResLinBlock.fused_decode_step (five launches a block at a generation step) against the block's
 unfused forward: the same hidden states and cache states, step after step.
 
 On a CPU the fused kernels run in Triton's interpreter in fp32 and are called directly (the model

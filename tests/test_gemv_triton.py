@@ -175,6 +175,51 @@ def test_gated_head_norm_product_matches_the_reference(reslin, blocks, heads, he
     check(reslin, "gated_rms_norm_linear", lead, heads * head_dim, N, head_dim)
 
 
+def short_convolutions(product, taps, states):
+    """The q | k | v columns of `product` [B, 1, N] through short convolutions in float64 from
+    `states` [B, D, C - 1]: (the product with them replaced, the states moved along by one input)."""
+    out, moved, start = product.double().clone(), [], 0
+    for tap, state in zip(taps, states):
+        width = tap.shape[0]
+        window = torch.cat([state.double(), product[:, 0, start:start + width, None].double()], dim=-1)
+        out[:, 0, start:start + width] = F.silu((window * tap[:, 0].double()).sum(-1))
+        moved.append(window[..., 1:])
+        start += width
+    return out, moved
+
+
+# (B, q and k channels, v channels, columns after them, taps): one row, one tl.dot tile and two
+# (17 rows), a window of 1 to 3 inputs, widths that fill no block.
+CONVOLUTIONS = [(1, 6, 10, 5, 4), (3, 8, 12, 7, 3), (17, 4, 4, 3, 2), (2, 32, 48, 9, 4)]
+
+
+@pytest.mark.parametrize("B,key_width,value_width,rest,C", CONVOLUTIONS, ids=str)
+def test_in_projection_with_its_convolutions_matches_the_reference(blocks, B, key_width, value_width, rest, C):
+    """rms_norm_linear with `convolutions`: the q, k and v outputs through their short convolutions
+    from the product as returned (rounded to x's dtype), the other columns the plain product, and
+    the states moved along by the product's q, k and v; relative error <= 1e-5 against float64
+    in fp32 (bf16 on a GPU: 1e-2); the states exactly on a CPU (copies of the rounded product),
+    within 1e-2 on a GPU."""
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    tolerance = 1e-5 if DEVICE == "cpu" else 1e-2
+    with torch.device(DEVICE), torch.no_grad():
+        torch.manual_seed(0)
+        K, N = 40, 2 * key_width + value_width + rest
+        x, norm_weight = torch.randn(B, 1, K, dtype=dtype), torch.randn(K, dtype=dtype)
+        weight = (torch.randn(N, K) * K ** -0.5).to(dtype)
+        widths = (key_width, key_width, value_width)
+        taps = tuple((0.5 * torch.randn(width, 1, C)).to(dtype) for width in widths)
+        states = tuple(torch.randn(B, width, C - 1, dtype=dtype) for width in widths)
+        initial = tuple(state.clone() for state in states)
+        y = gemv.rms_norm_linear(x, norm_weight, EPS, weight, convolutions=(taps, states))
+        product = gemv.rms_norm_linear(x, norm_weight, EPS, weight)
+        expected, moved = short_convolutions(product, taps, initial)
+    assert y.shape == (B, 1, N) and y.dtype == dtype
+    assert rel_err(y, expected) <= tolerance
+    for state, want in zip(states, moved):
+        assert rel_err(state, want) <= (0 if DEVICE == "cpu" else 1e-2)
+
+
 def test_strided_rows_read_in_place():
     """x, gate and residual with rows further apart than their width (column slices of wider
     tensors) give what their contiguous copies give, to fp32's rounding (compiled, a stride that is

@@ -1,6 +1,6 @@
 """Compile every chunked Triton kernel, and every fused layer kernel (kernels_reslin_triton_layers,
-kernels_reslin_triton_decode's decode_inputs and the generation step's GEMV kernels of
-kernels_reslin_triton_gemv), for an H200 (sm_90) on any machine, GPU or not, and check
+kernels_reslin_triton_decode's decode kernel on a projection and the generation step's GEMV
+kernels of kernels_reslin_triton_gemv), for an H200 (sm_90) on any machine, GPU or not, and check
 what the compiler can tell without running: that each variant compiles, and that its shared
 memory fits the GPU (232448 bytes on an H200; a launch past it fails with OutOfResources).
 Device time is scarce: this catches compile errors and shared-memory overflows before a GPU run.
@@ -100,7 +100,7 @@ def compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages, 
 # parameters fp32), fp32 gradient buffers, int64 positions. An absent optional pointer is None,
 # a constexpr, as a launch passes it.
 LAYER_FP32_POINTERS = ("weight_ptr", "dpre_ptr", "dweight_ptr", "A_log_ptr", "dt_bias_ptr", "g_ptr", "beta_ptr",
-                       "gamma_ptr", "gamma_write_ptr")
+                       "gamma_ptr", "gamma_write_ptr", "S_ptr", "R_ptr")
 
 
 def layer_launches():
@@ -132,13 +132,14 @@ def layer_launches():
                 variants += [(layer_kernels._short_conv_forward_kernel, dict(conv, **flags, UPDATE_STATE=update), absent,
                               warps) for update in ((False, True) if has_state else (False,))]
                 variants.append((layer_kernels._short_conv_backward_kernel, dict(backward_conv, **flags), absent, warps))
-    # A generation step's inputs (decode_inputs): heads of 128 and 256, and the shortest window.
-    for head_size, K in ((128, 4), (256, 4), (128, 2)):
-        blocks, decode_warps = decode_kernels.decode_inputs_launch(head_size, head_size, 1, K)
-        variants += [(decode_kernels._decode_inputs_kernel,
-                      dict(blocks, RESIDUAL=residual, KACZMARZ=kaczmarz, PDL=pdl),
-                      (() if residual else ("gamma_ptr",)) + (() if residual and kaczmarz else ("gamma_write_ptr",)),
-                      decode_warps) for residual in (False, True) for kaczmarz in (False, True) for pdl in (False, True)]
+    # A generation step's decode kernel on the in-projection's output (projected_decode_step), every
+    # rule's flags, heads of 128 and 256, on Triton's default 4 warps.
+    for head_size in (128, 256):
+        BK, BV = decode_kernels._state_tile(head_size, head_size)
+        variants += [(decode_kernels._projected_decode_step_kernel,
+                      dict(BK=BK, BV=BV, DELTA=delta, RESIDUAL=residual, KACZMARZ=kaczmarz, PDL=pdl), (), 4)
+                     for delta, kaczmarz in ((False, False), (True, False), (True, True))
+                     for residual in (False, True) for pdl in (False, True)]
     return variants
 
 
@@ -149,25 +150,25 @@ def compile_layer_variant(fn, constexprs, absent, pointer_type, num_warps):
                  "*i64" if name == "positions_ptr" else
                  "*fp32" if name in LAYER_FP32_POINTERS else
                  pointer_type if name.endswith("_ptr") else
-                 "fp32" if name.endswith("eps") else "i32" for name in params}
+                 "fp32" if name.endswith("eps") or name in ("scale", "clip") else "i32" for name in params}
     aligned = [name for name in params if name.endswith("_ptr")]
     return compile_for_sm90(fn, signature, constexprs, aligned, num_warps, num_stages=3)
 
 
 # A generation step's products (kernels_reslin_triton_gemv) at the 400M and 1.3B shapes (hidden
-# 1024 and 2048, heads of 128, SwiGLU 2816 and 5632), one row and 16: (entry point, K, N, norm,
-# head_dim, SwiGLU, residual). The in-projection's N: q, k, v and g of the hidden width, and a, b
-# and gamma of one value a head.
-GEMV_SHAPES = [(name, K, N, norm, head_dim, swiglu, residual)
+# 1024 and 2048, heads of 128, SwiGLU 2816 and 5632): (entry point, K, N, norm, head_dim, SwiGLU,
+# residual, the short convolutions' taps). The in-projection's N: q, k, v and g of the hidden width,
+# and a, b and gamma of one value a head; its q, k and v through convolutions of 4 taps.
+GEMV_SHAPES = [(name, K, N, norm, head_dim, swiglu, residual, conv_size)
                for hidden, heads, inner in ((1024, 8, 2816), (2048, 16, 5632))
-               for name, K, N, norm, head_dim, swiglu, residual in (
-                   ("rms_norm_linear", hidden, 4 * hidden + 3 * heads, "row", None, False, False),
-                   ("gated_rms_norm_linear", hidden, hidden, "gated_heads", 128, False, True),
-                   ("rms_norm_swiglu", hidden, inner, "row", None, True, False),
-                   ("linear_residual", inner, hidden, "none", None, False, True))]
+               for name, K, N, norm, head_dim, swiglu, residual, conv_size in (
+                   ("rms_norm_linear", hidden, 4 * hidden + 3 * heads, "row", None, False, False, 4),
+                   ("gated_rms_norm_linear", hidden, hidden, "gated_heads", 128, False, True, 0),
+                   ("rms_norm_swiglu", hidden, inner, "row", None, True, False, 0),
+                   ("linear_residual", inner, hidden, "none", None, False, True, 0))]
 
 
-def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, dtype, pdl):
+def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, conv_size, dtype, pdl):
     """`_gemv_kernel` as `kernels_reslin_triton_gemv` launches it for M contiguous rows: every
     tensor in the input's dtype (a model's norm weights too), integers specialised as a launch
     specialises them (equal to 1: a constant; multiples of 16 marked so)."""
@@ -175,11 +176,12 @@ def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, dtype, pdl):
     params = list(inspect.signature(fn.kernel.fn).parameters)
     element_type, pointer_type = DTYPES[dtype]
     K_span, constexprs, warps, stages = gemv_kernels.gemv_config(M, N, K, element_type.primitive_bitwidth // 8, norm,
-                                                                 head_dim, swiglu, residual)
+                                                                 head_dim, swiglu, residual, conv_size)
     present = dict(gate_ptr=norm == "gated_heads", norm_weight_ptr=norm != "none", up_weight_ptr=swiglu,
-                   residual_ptr=residual)
+                   residual_ptr=residual, **{f"{x}_{part}_ptr": conv_size > 0 for x in "qkv" for part in ("state", "taps")})
     sizes = dict(M=M, N=N, K=K, K_SPAN=K_span, x_stride=K, gate_stride=K if norm == "gated_heads" else 0,
-                 residual_stride=N if residual else 0)
+                 residual_stride=N if residual else 0, KEY_WIDTH=K if conv_size else 0,
+                 VALUE_WIDTH=K if conv_size else 0)
     constexprs = {**constexprs, "PDL": pdl, "PRELOAD": pdl, **{name: None for name, here in present.items() if not here},
                   **{name: 1 for name, size in sizes.items() if size == 1}}
     signature = {name: "constexpr" if name in constexprs else pointer_type if name.endswith("_ptr") else
@@ -302,15 +304,15 @@ def main():
             label = f"{fn.kernel.fn.__name__:30s} {dtype} {flags}"
             failures += report(label, lambda: compile_layer_variant(fn, constexprs, absent, pointer_type, warps),
                                args.registers)
-        for name, K, N, norm, head_dim, swiglu, residual in GEMV_SHAPES:
+        for name, K, N, norm, head_dim, swiglu, residual, conv_size in GEMV_SHAPES:
             for M, pdl in itertools.product((1, 4, 16), (False, True)):  # PDL: programmatic_launch
                 _, constexprs, warps, stages = gemv_kernels.gemv_config(
-                    M, N, K, DTYPES[dtype][0].primitive_bitwidth // 8, norm, head_dim, swiglu, residual)
+                    M, N, K, DTYPES[dtype][0].primitive_bitwidth // 8, norm, head_dim, swiglu, residual, conv_size)
                 blocks = " ".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB"))
                 label = (f"_gemv_kernel {name:22s} {dtype} M{M} K{K} N{N} {blocks} warps={warps} stages={stages}"
-                         f"{' PDL' if pdl else ''}")
+                         f"{f' conv {conv_size}' if conv_size else ''}{' PDL' if pdl else ''}")
                 failures += report(label, lambda: compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual,
-                                                                       dtype, pdl)[0], args.registers)
+                                                                       conv_size, dtype, pdl)[0], args.registers)
     print(f"{failures} variant(s) failed")
     sys.exit(1 if failures else 0)
 

@@ -112,7 +112,7 @@ for name in "$@"; do
     tests-others) job tests-others 560 python3 -m pytest -v -n 4 -p no:cacheprovider -m gpu \
       --ignore tests/test_gpu.py --ignore tests/test_cuda_graphs.py ;;
     tests-generation) job tests-generation 560 python3 -m pytest -v -n 4 -p no:cacheprovider -m gpu \
-      tests/test_generation_loop.py tests/test_fused_decode_step.py tests/test_decode_inputs.py tests/test_gemv_triton.py \
+      tests/test_generation_loop.py tests/test_fused_decode_step.py tests/test_projected_decode.py tests/test_gemv_triton.py \
       tests/test_greedy_choice.py tests/test_kept_step.py ;;
     suite) job suite 600 python3 -m pytest -q -n 6 -p no:cacheprovider ;;
     layers) job layers 240 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_layers_triton.py tests/test_peft.py ;;
