@@ -20,6 +20,13 @@ modeling_reslin) reads and writes them at those addresses.
 import torch
 
 
+def tensor_identity(x):
+    """Where a tensor lies and how often it was modified in place since it was made: equal
+    identities, the same values. A tensor made under torch.inference_mode tracks no modifications
+    (only code inside inference_mode can modify it, untracked): its place alone."""
+    return x.data_ptr(), None if x.is_inference() else x._version
+
+
 class ResLinCache:
     # generate reads these: no static shapes to compile against, no rollback.
     is_compileable = False
@@ -99,7 +106,7 @@ class ResLinCache:
         weights stay the same tensors, unmodified (about a quarter of a recurrent model's weights).
         A captured step reads the copy where it lay at capture, so a new copy drops the graph.
         Returns (the copy, whether it was made by this call: its launch is then the last one)."""
-        identity = tuple((w.data_ptr(), w._version) for w in weights)
+        identity = tuple(map(tensor_identity, weights))
         held = self.side_by_side.get(layer_idx)
         made_now = held is None or held[0] != identity
         if made_now:
@@ -168,4 +175,4 @@ class ResLinCache:
             "(assistant_model, prompt_lookup_num_tokens) is not supported by ResLin models.")
 
 
-__all__ = ["ResLinCache"]
+__all__ = ["ResLinCache", "tensor_identity"]

@@ -38,6 +38,11 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+try:
+    from .cache_reslin import tensor_identity
+except ImportError:
+    from cache_reslin import tensor_identity
+
 # Inside a try block: without Triton the torch code chooses the tokens (see kernels_reslin_triton_launch).
 try:
     try:
@@ -449,9 +454,11 @@ class KeptStep:
         signature = steps.signature()
         if signature is None:
             return None
-        weights = tuple((x.data_ptr(), x._version, x.dtype, x.shape)
+        weights = tuple((*tensor_identity(x), x.dtype, x.shape)
                         for x in itertools.chain(model.parameters(), model.buffers()))
-        return signature, weights, getattr(triton_launch, "PROGRAMMATIC_LAUNCH_MAX_ROWS", None)
+        # Tensors made under inference_mode (the kept states, when it was on) may be written only under it.
+        return (signature, weights, getattr(triton_launch, "PROGRAMMATIC_LAUNCH_MAX_ROWS", None),
+                torch.is_inference_mode_enabled())
 
     @classmethod
     def lend(cls, model, steps, cache):

@@ -153,6 +153,19 @@ def test_other_batch_sizes_settings_and_release_capture_again(captures, reslin, 
         assert captures() == 6
 
 
+def test_a_model_made_under_inference_mode_keeps_its_graph(captures):
+    """Its weights track no in-place modification (their place alone tells them apart); a call
+    under inference_mode and one outside it keep a graph each (the kept states are written only
+    where they were made)."""
+    with torch.inference_mode():
+        model = build_model("gdn")
+        outputs = [model.generate(prompt(2, 5, seed), max_new_tokens=6, do_sample=False) for seed in (0, 1)]
+    assert captures() == 1
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt(2, 5, 1), max_new_tokens=6, do_sample=False), outputs[1])
+    assert captures() == 2
+
+
 @torch.no_grad()
 def test_the_kept_step_does_not_keep_its_model_alive(captures, reslin):
     model = build_model("gdn")
