@@ -135,8 +135,9 @@ def _specialisation(arg):
 # kernel before it still runs, loads what no kernel writes (its weights) and then waits in each
 # program, at `_wait_for_previous_kernel`, for that kernel's end and writes. Used for steps of at
 # most this many rows (0: never): on an H100 (2026-12-05, bench_generate, 400m) it cut a step's GPU
-# time by 10% at one row and raised tokens/s by 14-26% at one and four rows; at 16 rows, where its
-# early programs hold SMs that the kernel before them would use, the residual rules' GPU time rose 7%.
+# time by 10% at one row and raised tokens/s by 15-26% there, at four rows by 14-15% (gdn, rkla;
+# rdn -2%, its GPU time level); at 16 rows, where its early programs hold SMs that the kernel
+# before them would use, the residual rules' GPU time rose 6-7%.
 PROGRAMMATIC_LAUNCH_MAX_ROWS = 4
 
 

@@ -182,20 +182,26 @@ def test_sampling_leaves_the_random_state_where_transformers_loop_does(ends_afte
     assert_sampling_leaves_the_random_state_where_transformers_loop_does(build_model("rdn"), ends_after)
 
 
-@torch.no_grad()
-def test_a_user_built_cache_is_continued_exactly(reslin):
-    model = build_model("rla")
-    ids = torch.randint(3, 100, (2, 5))
-    caches = [reslin.ResLinCache(model.config, 2) for _ in range(2)]
+def assert_user_built_caches_continue_alike(reslin, model, ids, max_new_tokens=20):
+    """Greedy generate from a fresh ResLinCache passed in, by each loop: the same tokens, and the
+    caches' states equal. Returns the two caches (own loop's, transformers')."""
+    caches = [reslin.ResLinCache(model.config, ids.shape[0]) for _ in range(2)]
     outputs = []
     for fast, cache in zip((True, False), caches):
         model.config.generate_fast_path = fast
-        outputs.append(model.generate(ids, cache=cache, max_new_tokens=20, do_sample=False))
+        outputs.append(model.generate(ids, cache=cache, max_new_tokens=max_new_tokens, do_sample=False))
     model.config.generate_fast_path = True
     assert torch.equal(*outputs)
-    assert caches[0].get_seq_length() == caches[1].get_seq_length() == ids.shape[1] + 19
     for a, b in zip(state_tensors(caches[0]), state_tensors(caches[1])):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    return caches
+
+
+@torch.no_grad()
+def test_a_user_built_cache_is_continued_exactly(reslin):
+    ids = torch.randint(3, 100, (2, 5))
+    caches = assert_user_built_caches_continue_alike(reslin, build_model("rla"), ids)
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == ids.shape[1] + 19
 
 
 class AddOne(LogitsProcessor):

@@ -18,7 +18,7 @@ import torch
 from conftest import build_model
 from test_cuda_graphs import state_tensors
 from test_generate import cache_of
-from test_generation_loop import generate_both
+from test_generation_loop import assert_user_built_caches_continue_alike, generate_both
 
 
 def generation_module(reslin):
@@ -107,15 +107,8 @@ def test_the_returned_cache_keeps_its_own_states(captures, reslin):
     assert captures() == 1
     assert all(torch.equal(a, b) for a, b in zip(before, state_tensors(returned)))
     # A passed cache is continued exactly through the kept graph too.
-    caches = [reslin.ResLinCache(model.config, 2) for _ in range(2)]
-    outputs = []
-    for fast_path, cache in zip((True, False), caches):
-        model.config.generate_fast_path = fast_path
-        outputs.append(model.generate(ids, cache=cache, max_new_tokens=20, do_sample=False))
-    model.config.generate_fast_path = True
-    assert torch.equal(*outputs) and captures() == 1
-    for a, b in zip(state_tensors(caches[0]), state_tensors(caches[1])):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert_user_built_caches_continue_alike(reslin, model, ids)
+    assert captures() == 1
 
 
 @torch.no_grad()
