@@ -19,6 +19,10 @@ modeling_reslin) reads and writes them at those addresses.
 
 import torch
 
+# The fused products split K only for fewer tiles of outputs than kernels_reslin_triton_gemv's
+# PROGRAMS_TO_FILL (256), a counter a tile: room to spare.
+SPLIT_COUNTERS = 1024
+
 
 def tensor_identity(x):
     """Where a tensor lies and how often it was modified in place since it was made: equal
@@ -46,6 +50,7 @@ class ResLinCache:
         # generation_reslin.ResLinDecodeGraph: a generation step captured against this cache's states.
         self.decode_graph = None
         self.side_by_side = {}  # layer -> (the weights' identity, their concatenation)
+        self.split_tickets = None  # `split_counters`
 
     @staticmethod
     def signature(config):
@@ -114,12 +119,21 @@ class ResLinCache:
             self.decode_graph = None
         return held[1], made_now
 
+    def split_counters(self, device):
+        """The generation step's split counters (kernels_reslin_triton_gemv): int32 zeros, made at
+        the first step, that each of the step's products leaves at zero. A step's launches run in
+        turn, so one set serves them all; a captured step reads them where they lay at capture."""
+        if self.split_tickets is None:
+            self.split_tickets = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+        return self.split_tickets
+
     def swap_step_states(self, held):
         """Exchange what a generation step reads and writes, (conv_states, recurrent_states,
-        side_by_side), with `held`, of a cache of the same shapes; returns this cache's.
-        generation_reslin lends a generate call's cache the states of a kept step graph this way."""
-        own = (self.conv_states, self.recurrent_states, self.side_by_side)
-        self.conv_states, self.recurrent_states, self.side_by_side = held
+        side_by_side, split counters), with `held`, of a cache of the same shapes; returns this
+        cache's. generation_reslin lends a generate call's cache the states of a kept step graph
+        this way."""
+        own = (self.conv_states, self.recurrent_states, self.side_by_side, self.split_tickets)
+        self.conv_states, self.recurrent_states, self.side_by_side, self.split_tickets = held
         return own
 
     def update_attention(self, layer_idx, keys, values):

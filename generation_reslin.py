@@ -46,13 +46,14 @@ except ImportError:
 # Inside a try block: without Triton the torch code chooses the tokens (see kernels_reslin_triton_launch).
 try:
     try:
-        from . import kernels_reslin_triton_launch as triton_launch
+        from . import kernels_reslin_triton_gemv as triton_gemv, kernels_reslin_triton_launch as triton_launch
         from .kernels_reslin_triton_choice import MAX_ROWS as GREEDY_CHOICE_MAX_ROWS, greedy_choice
     except ImportError:
+        import kernels_reslin_triton_gemv as triton_gemv
         import kernels_reslin_triton_launch as triton_launch
         from kernels_reslin_triton_choice import MAX_ROWS as GREEDY_CHOICE_MAX_ROWS, greedy_choice
 except ImportError:
-    greedy_choice = GREEDY_CHOICE_MAX_ROWS = triton_launch = None
+    greedy_choice = GREEDY_CHOICE_MAX_ROWS = triton_gemv = triton_launch = None
 
 # transformers 5.24 renamed the outputs' `past_key_values` field to `cache`; generate reads the
 # cache back under the name its own output classes declare.
@@ -438,7 +439,7 @@ class KeptStep:
         self.key, self.steps = key, steps
         self.states = ([tuple(x.clone() for x in layer) for layer in cache.conv_states],
                        [tuple(None if x is None else x.clone() for x in layer) for layer in cache.recurrent_states],
-                       dict(cache.side_by_side))
+                       dict(cache.side_by_side), None)
         self.cache_states = None  # the borrowing cache's own, while lent
         self.in_use = False
 
@@ -458,7 +459,7 @@ class KeptStep:
                         for x in itertools.chain(model.parameters(), model.buffers()))
         # Tensors made under inference_mode (the kept states, when it was on) may be written only under it.
         return (signature, weights, getattr(triton_launch, "PROGRAMMATIC_LAUNCH_MAX_ROWS", None),
-                torch.is_inference_mode_enabled())
+                getattr(triton_gemv, "SPLIT_K_MAX_ROWS", None), torch.is_inference_mode_enabled())
 
     @classmethod
     def lend(cls, model, steps, cache):
@@ -502,6 +503,7 @@ def release_kept_step(model):
 
 
 def _state_tensors(states):
-    """The tensors of (conv_states, recurrent_states, side_by_side), in one order."""
-    conv_states, recurrent_states, _ = states
+    """The tensors of (conv_states, recurrent_states, side_by_side, split counters) that hold
+    values between steps, in one order (the counters are zero between launches)."""
+    conv_states, recurrent_states, *_ = states
     return [x for layer in (*conv_states, *recurrent_states) for x in layer if x is not None]

@@ -20,6 +20,11 @@ product accumulated in fp32 and cast to x's dtype (as F.linear returns it), SwiG
 `kernels_reslin_triton_layers.swiglu` forms it from those two cast products (silu(gate) * up in
 fp32, cast once), the residual added to the cast product in fp32 and cast once (a tensor add of
 two tensors of x's dtype). Forward only: the model calls them where autograd is off.
+
+Each takes `split_counters`: int32 zeros, one or more for each tile of outputs, that every launch
+leaves at zero (a generation step's cache keeps them: `ResLinCache.split_counters`). With them a
+product of a few rows and few outputs may split K among programs (`gemv_launch`); two launches
+given the same counters must then not run at once (one stream, or graphs replayed in turn).
 """
 
 import torch
@@ -55,18 +60,23 @@ GATED_DOT_STAGES = 3  # the gated head norm's, at 16 rows: 8-11% faster than 2 (
 # warps it took up to 244 registers under PDL, which loads its weights before the wait (126 on 8).
 GATED_ONE_ROW_MAX_ROWS = 4
 GATED_ONE_ROW_BLOCK_N = 8
+# From two rows up to this many, a tl.dot product of few tiles splits K among programs where the
+# caller gives split counters (`gemv_launch`). 0: never, until a GPU run has timed it in a model's
+# step (bench_generate.py's "split" loop) and run its GPU tests.
+SPLIT_K_MAX_ROWS = 0
 
 
 @_Launcher
 @triton.jit
 def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, residual_ptr, y_ptr,
                  q_state_ptr, k_state_ptr, v_state_ptr, q_taps_ptr, k_taps_ptr, v_taps_ptr, KEY_WIDTH, VALUE_WIDTH,
+                 partials_ptr, counters_ptr, SPLITS, SPLIT_SPAN,
                  M, N, K, K_SPAN, x_stride, gate_stride, residual_stride, eps,
                  NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
                  CONV_SIZE: tl.constexpr, CONV_SLOTS: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-                 PDL: tl.constexpr, PRELOAD: tl.constexpr):
+                 SPLIT: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr):
     """y [M, N] = epilogue(normed(x) @ weight.T) for the rows of a BLOCK_M tile and the outputs of
     a BLOCK_N tile, the weight's rows streamed over K in BLOCK_K chunks.
 
@@ -86,6 +96,11 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     shared memory (cp.async; the one-row path's single round of loads needs none). SWAP_AB forms
     the transpose, weight @ x.T, so that the weight tile is the tensor cores' wide operand (on
     Hopper, a wgmma of BLOCK_N >= 64 outputs against the 16 rows).
+
+    SPLIT (tl.dot tiles only): K is split among SPLITS programs along the grid's third axis, each
+    over SPLIT_SPAN padded positions (a multiple of BLOCK_K), so that a product of few outputs
+    still has enough programs to keep the memory busy; the tile's last program to finish adds the
+    partial sums in split order and runs the epilogue (`_split_sums`).
 
     PDL: launched with programmatic dependent launch, the one-row path with PRELOAD loads its first
     chunk of weights before it waits for the previous kernel (`_wait_for_previous_kernel`), so
@@ -124,7 +139,14 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, K_SPAN, BLOCK_K):
+    if SPLIT:
+        tl.static_assert(BLOCK_M > 1, "K is split among tl.dot tiles only")
+        span_start = tl.program_id(2) * SPLIT_SPAN
+        span_end = tl.minimum(span_start + SPLIT_SPAN, K_SPAN)
+    else:
+        span_start = 0
+        span_end = K_SPAN
+    for start in range(span_start, span_end, BLOCK_K):
         cols, col_ok, lanes = _chunk_columns(start, positions, K_SPAN, GROUP, GROUP_BLOCK)
         x_ok = row_ok[:, None] & col_ok[None, :]
         x = tl.load(x_rows + cols[None, :], mask=x_ok, other=0.0)
@@ -169,12 +191,15 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     elif SWAP_AB:
         acc = tl.trans(acc)
         up_acc = tl.trans(up_acc)
+    y_ok = row_ok[:, None] & out_ok[None, :]
+    if SPLIT:
+        acc, up_acc, last = _split_sums(acc, up_acc, rows, outs, y_ok, M, N, partials_ptr, counters_ptr, SPLITS, SWIGLU)
+        y_ok &= last  # the others wrote their partial sums only
     # The products as F.linear returns them, in x's dtype.
     y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
     if SWIGLU:
         up = up_acc.to(y_ptr.dtype.element_ty).to(tl.float32)
         y = y * tl.sigmoid(y) * up
-    y_ok = row_ok[:, None] & out_ok[None, :]
     if CONV_SIZE:
         y = _convolve_outputs(y, rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr, q_taps_ptr, k_taps_ptr,
                               v_taps_ptr, KEY_WIDTH, VALUE_WIDTH, CONV_SIZE, CONV_SLOTS)
@@ -182,6 +207,38 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
         y += tl.load(residual_ptr + rows.to(tl.int64)[:, None] * residual_stride + outs[None, :], mask=y_ok,
                      other=0.0).to(tl.float32)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + outs[None, :], y.to(y_ptr.dtype.element_ty), mask=y_ok)
+
+
+@triton.jit
+def _split_sums(acc, up_acc, rows, outs, y_ok, M, N, partials_ptr, counters_ptr, SPLITS, SWIGLU: tl.constexpr):
+    """(the products' sums over every split, of up_acc too, whether this program is the tile's
+    last): each program stores its partial sums [rows, outs] in fp32 at its split's place in
+    partials [SPLITS, 1 or 2 (SWIGLU), M, N], then takes a ticket from its tile's counter; the one
+    holding the last ticket loads every split's sums, adds them in split order (the same sum
+    whichever program ends last) and leaves the counter at zero for the next launch. The others
+    get zeros and must store nothing."""
+    offsets = rows.to(tl.int64)[:, None] * N + outs[None, :]
+    plane = M * N
+    weights = 2 if SWIGLU else 1
+    split = tl.program_id(2)
+    tl.store(partials_ptr + split * weights * plane + offsets, acc, mask=y_ok)
+    if SWIGLU:
+        tl.store(partials_ptr + (split * weights + 1) * plane + offsets, up_acc, mask=y_ok)
+    # Every thread's partial sums stored before the ticket that releases them (acq_rel, GPU scope).
+    tl.debug_barrier()
+    counter = counters_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1
+    sums = tl.zeros(acc.shape, dtype=tl.float32)
+    up_sums = tl.zeros(acc.shape, dtype=tl.float32)
+    for other in range(SPLITS):
+        # .cg: from L2, where the other programs' stores are, not from this SM's L1.
+        sums += tl.load(partials_ptr + other * weights * plane + offsets, mask=y_ok & last, other=0.0,
+                        cache_modifier=".cg")
+        if SWIGLU:
+            up_sums += tl.load(partials_ptr + (other * weights + 1) * plane + offsets, mask=y_ok & last, other=0.0,
+                               cache_modifier=".cg")
+    tl.store(counter, 0, mask=last)
+    return sums, up_sums, last
 
 
 @triton.jit
@@ -257,11 +314,12 @@ def _weight_chunk(weight_rows, up_weight_rows, cols, weight_ok, SWIGLU: tl.const
     return weight, up_weight
 
 
-def gemv_launch(M, N, K_span, group_block, weights, element_bytes):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB) of `_gemv_kernel` for M rows, N outputs,
-    K_span positions in groups of group_block (1 without groups: with groups, the gated head norm),
-    `weights` weight matrices (2 for SwiGLU) of element_bytes each. Chosen by bench_gemv.py --sweep
-    at the 400m and 1.3b shapes (benchmarks/README.md).
+def gemv_launch(M, N, K_span, group_block, weights, element_bytes, can_split=False):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB, splits) of `_gemv_kernel` for M rows,
+    N outputs, K_span positions in groups of group_block (1 without groups: with groups, the gated
+    head norm), `weights` weight matrices (2 for SwiGLU) of element_bytes each; `can_split`: the
+    caller gave split counters. Chosen by bench_gemv.py --sweep at the 400m and 1.3b shapes
+    (benchmarks/README.md).
 
     One row: a program's chunk spans the whole K where it can (up to MAX_BLOCK_K: the 400M down
     projection's 2816 in a chunk of 4096, its lanes past 2816 masked, which costs issue slots, not
@@ -277,7 +335,9 @@ def gemv_launch(M, N, K_span, group_block, weights, element_bytes):
     More rows: tl.dot tiles of 16 rows and DOT_BLOCK_N outputs, chunks along K that Triton's
     software pipeline keeps DOT_STAGES deep in flight through shared memory (GATED_DOT_STAGES for
     the gated norm); SwiGLU's short chunks, two weights of 64 positions, ranked first at 4 and
-    16 rows (1.3-1.5x faster than chunks of 128)."""
+    16 rows (1.3-1.5x faster than chunks of 128). Up to SPLIT_K_MAX_ROWS rows K is split in two,
+    four, ... while the tiles are fewer than PROGRAMS_TO_FILL: N / DOT_BLOCK_N tiles leave most
+    SMs idle where N is the hidden width (32 tiles at 400M)."""
     K_block = max(16, _next_power_of_2(K_span))
     gated = group_block > 1
     one_row_K = max(group_block, min(K_block, MAX_BLOCK_K))
@@ -285,12 +345,17 @@ def gemv_launch(M, N, K_span, group_block, weights, element_bytes):
         BLOCK_N = max(1, ONE_ROW_TILE // one_row_K)
         while BLOCK_N > 1 and _cdiv(N, BLOCK_N) < PROGRAMS_TO_FILL:
             BLOCK_N //= 2
-        return 1, BLOCK_N, one_row_K, 8 if gated else 2 * element_bytes, 1, False
+        return 1, BLOCK_N, one_row_K, 8 if gated else 2 * element_bytes, 1, False, 1
     if gated and M <= GATED_ONE_ROW_MAX_ROWS:
-        return 1, GATED_ONE_ROW_BLOCK_N, one_row_K, 8, 1, False
+        return 1, GATED_ONE_ROW_BLOCK_N, one_row_K, 8, 1, False, 1
     chunk = DOT_BLOCK_K * 2 // element_bytes // (1 if weights == 1 else 4)
     BLOCK_K = max(group_block, min(K_block, max(16, chunk)))
-    return DOT_BLOCK_M, DOT_BLOCK_N, BLOCK_K, 4, GATED_DOT_STAGES if gated else DOT_STAGES, DOT_SWAP_AB
+    splits = 1
+    if can_split and M <= SPLIT_K_MAX_ROWS:
+        tiles = _cdiv(N, DOT_BLOCK_N) * _cdiv(M, DOT_BLOCK_M)
+        while tiles * splits < PROGRAMS_TO_FILL and 2 * splits <= _cdiv(K_span, BLOCK_K):
+            splits *= 2
+    return DOT_BLOCK_M, DOT_BLOCK_N, BLOCK_K, 4, GATED_DOT_STAGES if gated else DOT_STAGES, DOT_SWAP_AB, splits
 
 
 def _check_no_grad(*tensors):
@@ -335,46 +400,67 @@ def _check_norm_weight(norm_weight, size, x, what):
     return norm_weight.contiguous()
 
 
-def gemv_config(M, N, K, element_bytes, norm, head_dim=None, swiglu=False, residual=False, conv_size=0):
-    """(K_SPAN, constexprs, num_warps, num_stages) of `_gemv_kernel` for M rows of K channels and N
-    outputs of element_bytes each: the host's launch, and tools/compile_for_gpu.py's variants.
-    `head_dim`: the group of the "gated_heads" norm; `conv_size`: the short convolutions' taps."""
+def gemv_config(M, N, K, element_bytes, norm, head_dim=None, swiglu=False, residual=False, conv_size=0,
+                can_split=False):
+    """(K_SPAN, constexprs, num_warps, num_stages, SPLIT_SPAN) of `_gemv_kernel` for M rows of K
+    channels and N outputs of element_bytes each: the host's launch, and tools/compile_for_gpu.py's
+    variants. `head_dim`: the group of the "gated_heads" norm; `conv_size`: the short convolutions'
+    taps; `can_split`: the caller gave split counters. SPLIT_SPAN: the padded positions of a split
+    (K_SPAN where K is not split)."""
     group_block = _next_power_of_2(head_dim) if norm == "gated_heads" else None
     K_span = K // head_dim * group_block if group_block else K
-    BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab = gemv_launch(M, N, K_span, group_block or 1,
-                                                                    2 if swiglu else 1, element_bytes)
+    BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab, splits = gemv_launch(
+        M, N, K_span, group_block or 1, 2 if swiglu else 1, element_bytes, can_split)
+    split_span = _cdiv(_cdiv(K_span, BLOCK_K), splits) * BLOCK_K
     group, group_block = (head_dim, group_block) if group_block else (BLOCK_K, BLOCK_K)  # else a position is a channel
     constexprs = dict(NORM=norm, SWIGLU=swiglu, RESIDUAL=residual, CONV_SIZE=conv_size,
                       CONV_SLOTS=_next_power_of_2(max(conv_size - 1, 1)), GROUP=group, GROUP_BLOCK=group_block,
-                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SWAP_AB=swap_ab)
-    return K_span, constexprs, warps, stages
+                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SWAP_AB=swap_ab, SPLIT=split_span < K_span)
+    return K_span, constexprs, warps, stages, split_span
 
 
 @_on_inputs_device
 def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, head_dim=None, weight_just_written=False,
-            convolutions=None):
+            convolutions=None, split_counters=None):
     """y [..., N] in x's dtype; gate and residual as row views (`token_rows`)."""
     rows = token_rows(x)
     M, K = rows.shape
     N = weight.shape[0]
     taps, states = convolutions or ((None,) * 3, (None,) * 3)
     conv_size = 0 if convolutions is None else taps[0].shape[-1]
-    K_span, constexprs, warps, stages = gemv_config(M, N, K, x.element_size(), norm, head_dim, up_weight is not None,
-                                                    residual is not None, conv_size)
+    swiglu = up_weight is not None
+    K_span, constexprs, warps, stages, split_span = gemv_config(M, N, K, x.element_size(), norm, head_dim, swiglu,
+                                                                residual is not None, conv_size,
+                                                                split_counters is not None)
     widths = (0, 0) if convolutions is None else (taps[0].shape[0], taps[2].shape[0])
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     pdl = programmatic_launch(rows)
     if M:
-        grid = (_cdiv(N, constexprs["BLOCK_N"]), _cdiv(M, constexprs["BLOCK_M"]))
+        splits = _cdiv(K_span, split_span)
+        grid = (_cdiv(N, constexprs["BLOCK_N"]), _cdiv(M, constexprs["BLOCK_M"]), splits)
+        partials = None
+        if constexprs["SPLIT"]:
+            if split_counters.numel() < grid[0] * grid[1]:
+                raise ValueError(f"split_counters holds {split_counters.numel()} counters, this product's "
+                                 f"{grid[0] * grid[1]} tiles need one each")
+            partials = torch.empty(splits * (2 if swiglu else 1) * M * N, device=x.device, dtype=torch.float32)
         _gemv_kernel[grid](rows, gate, norm_weight, weight, up_weight, residual, y, *states, *taps, *widths,
-                           M, N, K, K_span, rows.stride(0),
+                           partials, split_counters, splits, split_span, M, N, K, K_span, rows.stride(0),
                            0 if gate is None else gate.stride(0), 0 if residual is None else residual.stride(0), eps,
                            **constexprs, **pdl, PRELOAD=pdl["PDL"] and not weight_just_written, num_warps=warps,
                            num_stages=stages)
     return y.view(*x.shape[:-1], N)
 
 
-def rms_norm_linear(x, norm_weight, eps, weight, *, weight_just_written=False, convolutions=None):
+def _check_split_counters(split_counters, x):
+    if split_counters is not None and (
+            not isinstance(split_counters, torch.Tensor) or split_counters.dtype != torch.int32
+            or split_counters.dim() != 1 or not split_counters.is_contiguous() or split_counters.device != x.device):
+        raise ValueError(f"split_counters must be a contiguous 1-d int32 tensor on {x.device} (zeros, left zero by "
+                         f"every launch), got {_describe(split_counters)}")
+
+
+def rms_norm_linear(x, norm_weight, eps, weight, *, weight_just_written=False, convolutions=None, split_counters=None):
     """F.linear(rms_norm(x) * norm_weight, weight) for x [..., K], norm_weight [K], weight [N, K]:
     [..., N] in x's dtype. Rounds as rms_norm then F.linear do: the normed x to x's dtype, the fp32
     product to x's dtype. `weight_just_written`: the kernel launched just before wrote `weight` (a
@@ -390,10 +476,11 @@ def rms_norm_linear(x, norm_weight, eps, weight, *, weight_just_written=False, c
     _check_like("weight", weight, x, "x")
     norm_weight = _check_norm_weight(norm_weight, K, x, "x's width")
     _check_no_grad(x, norm_weight, weight)
+    _check_split_counters(split_counters, x)
     if convolutions is not None:
         _check_convolutions(convolutions, x, N)
     return _launch(x, None, norm_weight, float(eps), weight, None, None, "row", weight_just_written=weight_just_written,
-                   convolutions=convolutions)
+                   convolutions=convolutions, split_counters=split_counters)
 
 
 def _check_convolutions(convolutions, x, N):
@@ -419,7 +506,7 @@ def _check_convolutions(convolutions, x, N):
                              f"{x.device}, got {_describe(state)}{'' if state.is_contiguous() else ', not contiguous'}")
 
 
-def rms_norm_swiglu(x, norm_weight, eps, gate_weight, up_weight):
+def rms_norm_swiglu(x, norm_weight, eps, gate_weight, up_weight, *, split_counters=None):
     """silu(xn @ gate_weight.T) * (xn @ up_weight.T) with xn = rms_norm(x) * norm_weight, x [..., K],
     the weights [N, K] each: [..., N] in x's dtype (the MLP's input to its down projection). Rounds
     as rms_norm, F.linear and `swiglu` do: xn and each product to x's dtype, then silu(gate) * up
@@ -431,10 +518,12 @@ def rms_norm_swiglu(x, norm_weight, eps, gate_weight, up_weight):
     _check_like("up_weight", up_weight, x, "x", gate_weight.shape)
     norm_weight = _check_norm_weight(norm_weight, K, x, "x's width")
     _check_no_grad(x, norm_weight, gate_weight, up_weight)
-    return _launch(x, None, norm_weight, float(eps), gate_weight, up_weight, None, "row")
+    _check_split_counters(split_counters, x)
+    return _launch(x, None, norm_weight, float(eps), gate_weight, up_weight, None, "row",
+                   split_counters=split_counters)
 
 
-def gated_rms_norm_linear(o, gate, norm_weight, eps, head_dim, weight, residual):
+def gated_rms_norm_linear(o, gate, norm_weight, eps, head_dim, weight, residual, *, split_counters=None):
     """residual + F.linear(y, weight), y = rms_norm of each head of head_dim channels of o, times
     norm_weight [head_dim], times silu(gate): the output of a linear-attention layer (its o_norm
     and o_proj) added to the block's input. o and gate [..., K] (heads side by side, K a multiple
@@ -452,11 +541,12 @@ def gated_rms_norm_linear(o, gate, norm_weight, eps, head_dim, weight, residual)
     norm_weight = _check_norm_weight(norm_weight, head_dim, o, "per head")
     _check_like("residual", residual, o, "o", (*o.shape[:-1], N))
     _check_no_grad(o, gate, norm_weight, weight, residual)
+    _check_split_counters(split_counters, o)
     return _launch(o, token_rows(gate), norm_weight, float(eps), weight, None, token_rows(residual), "gated_heads",
-                   head_dim)
+                   head_dim, split_counters=split_counters)
 
 
-def linear_residual(x, weight, residual):
+def linear_residual(x, weight, residual, *, split_counters=None):
     """residual + F.linear(x, weight) for x [..., K], weight [N, K], residual [..., N]: [..., N] in
     x's dtype. Rounds as the unfused path does: the fp32 product to x's dtype, then the sum in fp32
     to x's dtype."""
@@ -465,4 +555,5 @@ def linear_residual(x, weight, residual):
     _check_like("weight", weight, x, "x")
     _check_like("residual", residual, x, "x", (*x.shape[:-1], N))
     _check_no_grad(x, weight, residual)
-    return _launch(x, None, None, 0.0, weight, None, token_rows(residual), "none")
+    _check_split_counters(split_counters, x)
+    return _launch(x, None, None, 0.0, weight, None, token_rows(residual), "none", split_counters=split_counters)

@@ -273,8 +273,9 @@ class ResLinLinearAttention(nn.Module):
         weight, made_now = cache.side_by_side_weight(self.layer_idx, [p.weight for p in self.projections()])
         convolutions = ((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight),
                         cache.conv_states[self.layer_idx])
+        counters = cache.split_counters(x.device)
         projected = rms_norm_linear(x, norm.weight, norm.eps, weight, weight_just_written=made_now,
-                                    convolutions=convolutions)
+                                    convolutions=convolutions, split_counters=counters)
         S, R = cache.recurrent_states[self.layer_idx]
         o = projected_decode_step(projected, self.A_log, self.dt_bias, S, R, num_heads=self.num_heads,
                                   head_dim=self.head_dim, num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim,
@@ -282,7 +283,7 @@ class ResLinLinearAttention(nn.Module):
                                   kaczmarz=self.step_rule == "kaczmarz", kaczmarz_eps=self.kaczmarz_eps)
         gate = projected[..., projected.shape[-1] - self.g_proj.out_features:]
         return gated_rms_norm_linear(o.flatten(-2), gate, self.o_norm.weight, self.o_norm.eps, self.head_v_dim,
-                                     self.o_proj.weight, x)
+                                     self.o_proj.weight, x, split_counters=counters)
 
     def input_projections(self, x, norm=None, inference=False, cache=None):
         """q, k and v before their convolutions, the gates' a, b and c (c None without the residual
@@ -524,10 +525,10 @@ class ResLinBlock(GradientCheckpointingLayer):
         residual add): the same operations as `forward`, rounded at the same points but for q and k,
         rounded before their L2 norm."""
         hidden_states = self.attn.fused_decode_step(hidden_states, self.attn_norm, cache)
-        mlp = self.mlp
+        mlp, counters = self.mlp, cache.split_counters(hidden_states.device)
         up = rms_norm_swiglu(hidden_states, self.mlp_norm.weight, self.mlp_norm.eps, mlp.gate_proj.weight,
-                             mlp.up_proj.weight)
-        return linear_residual(up, mlp.down_proj.weight, hidden_states)
+                             mlp.up_proj.weight, split_counters=counters)
+        return linear_residual(up, mlp.down_proj.weight, hidden_states, split_counters=counters)
 
 
 # Checkpoint names of earlier versions, the shipped model.safetensors among them (patterns of

@@ -15,14 +15,16 @@ The calls cycle through enough copies of the weights to pass the GPU's L2 cache 
 an H200) twice, as a model's layers do (a graph takes as many calls as there are copies, if more
 than CALLS): one matrix read again and again would stay in L2 and time its bandwidth, not HBM's.
 
-    python benchmarks/bench_gemv.py [--shapes 400M 1.3B] [--rows 1 4 16] [--calls 50] [--pdl]
+    python benchmarks/bench_gemv.py [--shapes 400M 1.3B] [--rows 1 4 16] [--calls 50] [--pdl] [--split]
     python benchmarks/bench_gemv.py --sweep --shapes 400M --rows 1 16 --calls 20 --replays 10 \
         --entry-points rms_norm_linear gated_rms_norm_linear   # other tiles, to tune gemv_launch
     python benchmarks/bench_gemv.py --smoke   # tiny sizes on a CPU (Triton's interpreter): checks the script runs
 
---sweep times ours under other launch tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab)
-besides gemv_launch's own pick, fastest first: what to change in gemv_launch. Ours and the sweep
-run without programmatic dependent launch; --pdl times ours again under it, in a column of its own.
+--sweep times ours under other launch tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab,
+splits of K) besides gemv_launch's own pick, fastest first: what to change in gemv_launch. Ours and
+the sweep run without programmatic dependent launch; --pdl times ours again under it, in a column
+of its own; --split times ours again with K split where the tiles are few, at every row count
+(kernels_reslin_triton_gemv.SPLIT_K_MAX_ROWS; ours is given split counters, as a model's step).
 """
 
 import argparse
@@ -30,7 +32,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import DEVICE, DTYPE, copies_past_l2, print_header, programmatic_launch, us_per_call
+from common import DEVICE, DTYPE, copies_past_l2, print_header, programmatic_launch, split_k, us_per_call
 import kernels_reslin_triton_gemv as gemv
 import kernels_reslin_triton_launch as triton_launch
 import kernels_reslin_triton_layers as layers
@@ -53,11 +55,13 @@ def problem(name, hidden, heads, inner):
 
 
 def launch(name, rows, K, N, head_dim):
-    """gemv_launch's pick for this call, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab), and the
-    (K_span, group_block) it was picked for."""
-    K_span, blocks, warps, stages = gemv.gemv_config(rows, N, K, DTYPE.itemsize, ENTRY_POINTS[name], head_dim,
-                                                     name == "rms_norm_swiglu", name.endswith("residual"))
-    tile = (blocks["BLOCK_M"], blocks["BLOCK_N"], blocks["BLOCK_K"], warps, stages, blocks["SWAP_AB"])
+    """gemv_launch's pick for this call, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab, splits),
+    and the (K_span, group_block) it was picked for."""
+    K_span, blocks, warps, stages, split_span = gemv.gemv_config(rows, N, K, DTYPE.itemsize, ENTRY_POINTS[name],
+                                                                 head_dim, name == "rms_norm_swiglu",
+                                                                 name.endswith("residual"), can_split=True)
+    tile = (blocks["BLOCK_M"], blocks["BLOCK_N"], blocks["BLOCK_K"], warps, stages, blocks["SWAP_AB"],
+            -(-K_span // split_span))
     return tile, K_span, blocks["GROUP_BLOCK"] if head_dim else 1
 
 
@@ -76,15 +80,17 @@ def calls(name, rows, K, N, weights, head_dim, weight_bytes):
     next_weights, copies = copies_past_l2(lambda: [randn(N, K, scale=K ** -0.5) for _ in range(weights)],
                                           weight_bytes)
     heads = (rows, 1, K // head_dim, head_dim) if head_dim else None
+    counters = torch.zeros(1024, dtype=torch.int32, device=DEVICE)  # as a model's cache gives them
 
     def ours(w):
         if name == "rms_norm_linear":
-            return gemv.rms_norm_linear(x, norm_weight, EPS, *w)
+            return gemv.rms_norm_linear(x, norm_weight, EPS, *w, split_counters=counters)
         if name == "rms_norm_swiglu":
-            return gemv.rms_norm_swiglu(x, norm_weight, EPS, *w)
+            return gemv.rms_norm_swiglu(x, norm_weight, EPS, *w, split_counters=counters)
         if name == "gated_rms_norm_linear":
-            return gemv.gated_rms_norm_linear(x, gate, norm_weight, EPS, head_dim, *w, residual)
-        return gemv.linear_residual(x, *w, residual)
+            return gemv.gated_rms_norm_linear(x, gate, norm_weight, EPS, head_dim, *w, residual,
+                                              split_counters=counters)
+        return gemv.linear_residual(x, *w, residual, split_counters=counters)
 
     def unfused(w):
         if name == "rms_norm_linear":
@@ -106,17 +112,19 @@ def rel_err(x, ref):
 
 def sweep_tiles(rows, N, K_span, group_block, weights):
     """Launch tiles to try besides gemv_launch's: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages,
-    swap_ab). From two rows on, the one-row tiles too, a program a row (the weight read once from
-    memory, and from L2 for the other rows), and the transposed product (swap_ab) with wide weight
-    tiles."""
+    swap_ab, splits). From two rows on, the one-row tiles too, a program a row (the weight read
+    once from memory, and from L2 for the other rows), the transposed product (swap_ab) with wide
+    weight tiles, and K split in 2, 4 or 8 where it has that many chunks."""
     K_block = max(16, 1 << (K_span - 1).bit_length())
-    tiles = [(1, n, k, w, 1, False) for n in (1, 2, 4, 8) for k in (512, 1024, 2048, 4096) for w in (4, 8)
+    tiles = [(1, n, k, w, 1, False, 1) for n in (1, 2, 4, 8) for k in (512, 1024, 2048, 4096) for w in (4, 8)
              if k <= K_block and n * k * weights <= 16384]
     if rows > 1:
-        tiles += [(16, n, k, 4, s, False) for n in (16, 32, 64) for k in (64, 128, 256) for s in (2, 3, 4)
+        tiles += [(16, n, k, 4, s, False, 1) for n in (16, 32, 64) for k in (64, 128, 256) for s in (2, 3, 4)
                   if k <= K_block and n * k * weights <= 8192]
-        tiles += [(16, n, k, 4, s, True) for n in (64, 128) for k in (32, 64, 128) for s in (3, 4, 6)
+        tiles += [(16, n, k, 4, s, True, 1) for n in (64, 128) for k in (32, 64, 128) for s in (3, 4, 6)
                   if k <= K_block and n * k * weights <= 16384]
+        tiles += [(16, n, k, 4, s, False, p) for n in (16, 32, 64) for k in (64, 128, 256) for s in (3, 4)
+                  for p in (2, 4, 8) if n * k * weights <= 8192 and p <= -(-K_span // k)]
     return [tile for tile in tiles if tile[2] >= group_block]
 
 
@@ -133,6 +141,9 @@ def main(argv=None):
                         help="ours also under programmatic dependent launch (kernels_reslin_triton_launch."
                              "PROGRAMMATIC_LAUNCH_MAX_ROWS, here for every row count): a column 'PDL us'; "
                              "the other columns are without it")
+    parser.add_argument("--split", action="store_true",
+                        help="ours also with K split where the tiles are few (kernels_reslin_triton_gemv."
+                             "SPLIT_K_MAX_ROWS, here for every row count): a column 'split us' and its tile")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a call a replay (for a CPU)")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -141,8 +152,8 @@ def main(argv=None):
         parser.error("times a GPU's CUDA graphs: on a CPU only --smoke runs")
     print_header(f"fused GEMV products against the unfused path, {DTYPE}, {args.calls} calls a CUDA graph")
     print(f"{'entry point':22} {'shape':5} {'rows':>4} {'ours us':>8} {'GB/s':>6} {'unfused us':>10} {'GB/s':>6} "
-          f"{'ratio':>6} {'rel err':>8}{' PDL us' if args.pdl else ''}  "
-          f"ours' tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab)")
+          f"{'ratio':>6} {'rel err':>8}{' PDL us' if args.pdl else ''}{' split us' if args.split else ''}  "
+          f"ours' tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab, splits)")
     # Ours and the sweep without PDL at any batch size (each kernel alone), the PDL column with it.
     with torch.no_grad(), programmatic_launch(triton_launch, False):
         for shape in args.shapes:
@@ -156,14 +167,18 @@ def main(argv=None):
                     count = max(args.calls, copies)  # every replay reads every copy
                     ours_us = us_per_call(ours, count, args.replays)
                     unfused_us = us_per_call(unfused, count, args.replays)
-                    pdl_text = ""
+                    pdl_text = split_text = split_tile = ""
                     if args.pdl:
                         with programmatic_launch(triton_launch):
                             pdl_text = f" {us_per_call(ours, count, args.replays):6.2f}"
                     tile, K_span, group_block = launch(name, rows, K, N, head_dim)
+                    if args.split:
+                        with split_k(gemv):
+                            split_text = f" {us_per_call(ours, count, args.replays):8.2f}"
+                            split_tile = f", split {launch(name, rows, K, N, head_dim)[0]}"
                     print(f"{name:22} {shape:5} {rows:4d} {ours_us:8.2f} {weight_bytes / ours_us / 1e3:6.0f} "
                           f"{unfused_us:10.2f} {weight_bytes / unfused_us / 1e3:6.0f} {ours_us / unfused_us:6.2f} "
-                          f"{error:8.1e}{pdl_text}  {tile}", flush=True)
+                          f"{error:8.1e}{pdl_text}{split_text}  {tile}{split_tile}", flush=True)
                     if args.sweep:
                         sweep(ours, tile, rows, N, K_span, group_block, weights, weight_bytes, count, args)
 

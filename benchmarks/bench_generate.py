@@ -14,7 +14,9 @@ a warm-up generate (compilation, autotuning, graph capture). Ours runs twice a b
 process: with its default loop ("fast", config.generate_fast_path = True) and with transformers'
 loop ("hf", generate_fast_path = False); with --loops, also "pdl" and "no-pdl", the default loop
 with the step's kernels under programmatic dependent launch at every batch size and at none (by
-default, up to kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH_MAX_ROWS rows).
+default, up to kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH_MAX_ROWS rows), and "split", the
+default loop with the step's products splitting K where their tiles are few, at every batch size
+of their tl.dot path (by default up to kernels_reslin_triton_gemv.SPLIT_K_MAX_ROWS rows).
 
 A row, where a step is one new token for every row of the batch:
   tok/s, us/step  the decode alone: (N - 1) new tokens x B / (time of generate(N) - time of
@@ -57,7 +59,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench_decode import copy_bandwidth
-from common import DEVICE, DTYPE, REPO, RULES, import_fla, print_header, programmatic_launch, synchronize
+from common import DEVICE, DTYPE, REPO, RULES, import_fla, print_header, programmatic_launch, split_k, synchronize
 
 SHAPES = {
     "400m": dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=8, head_dim=128, expand_v=1.0,
@@ -97,16 +99,19 @@ def parameters(model):
     return f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"
 
 
-# label: (config.generate_fast_path, programmatic dependent launch: None as kernels_reslin_triton_launch's
-# PROGRAMMATIC_LAUNCH_MAX_ROWS has it, else at every batch size or at none) of the loops a model of ours
-# may run (--loops); "fast" is the default loop, whose row the goals read.
-LOOPS = {"fast": (True, None), "hf": (False, None), "pdl": (True, True), "no-pdl": (True, False)}
+# label: (config.generate_fast_path, the settings changed from the modules' own: (context manager of
+# common, the kernels module beside the model's it takes, on)) of the loops a model of ours may run
+# (--loops); "fast" is the default loop, whose row the goals read.
+LOOPS = {"fast": (True, ()), "hf": (False, ()),
+         "pdl": (True, ((programmatic_launch, "kernels_reslin_triton_launch", True),)),
+         "no-pdl": (True, ((programmatic_launch, "kernels_reslin_triton_launch", False),)),
+         "split": (True, ((split_k, "kernels_reslin_triton_gemv", True),))}
 
 
-def launch_module(model):
-    """The kernels_reslin_triton_launch module beside the model's own modeling module (remote code
-    loads its own copy)."""
-    return importlib.import_module(type(model).__module__.rpartition(".")[0] + ".kernels_reslin_triton_launch")
+def sibling_module(model, name):
+    """The kernels module `name` beside the model's own modeling module (remote code loads its own
+    copy)."""
+    return importlib.import_module(type(model).__module__.rpartition(".")[0] + "." + name)
 
 
 def weight_read_bytes(model, batch):
@@ -308,7 +313,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="calls timed a measure, the median kept")
     parser.add_argument("--loops", nargs="+", choices=list(LOOPS), default=["fast", "hf"],
                         help="our loops to time, fast first where given (pdl, no-pdl: fast with programmatic "
-                             "dependent launch at every batch size, at none)")
+                             "dependent launch at every batch size, at none; split: fast with K split in the "
+                             "products where their tiles are few, at every batch size)")
     parser.add_argument("--no-fla", action="store_true", help="leave FLA's generate out (the longest part of a run)")
     parser.add_argument("--top", type=int, default=0, help="list the TOP operations by GPU time a step under each row")
     parser.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"],
@@ -350,10 +356,12 @@ def main(argv=None):
         for B in args.batches:
             weights, states = weight_read_bytes(model, B), state_bytes(model, prompts[B])
             for loop in model_loops:
-                pdl = None
+                settings = ()
                 if loop in LOOPS:
-                    model.config.generate_fast_path, pdl = LOOPS[loop]
-                with contextlib.nullcontext() if pdl is None else programmatic_launch(launch_module(model), pdl):
+                    model.config.generate_fast_path, settings = LOOPS[loop]
+                with contextlib.ExitStack() as stack:
+                    for setting, module, on in settings:
+                        stack.enter_context(setting(sibling_module(model, module), on))
                     measured = measure(model, prompts[B], args.new_tokens, args.repeats, whole_repeats)
                 table.row(name, loop, "fast" if loop in LOOPS else "eager", B, measured, weights, states)
         del model

@@ -197,16 +197,28 @@ def copies_past_l2(make, nbytes):
 
 
 @contextlib.contextmanager
-def programmatic_launch(launch_module, on=True):
-    """Within the block, `launch_module` (a kernels_reslin_triton_launch, the plain import or a
-    model's remote-code copy) launches the step's kernels with programmatic dependent launch at
-    every batch size if `on`, at none if not; its own setting back after."""
-    default = launch_module.PROGRAMMATIC_LAUNCH_MAX_ROWS
-    launch_module.PROGRAMMATIC_LAUNCH_MAX_ROWS = 2**62 if on else 0
+def module_setting(module, name, value):
+    """Within the block, `module.name` is `value`; the module's own value back after."""
+    default = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        launch_module.PROGRAMMATIC_LAUNCH_MAX_ROWS = default
+        setattr(module, name, default)
+
+
+def programmatic_launch(launch_module, on=True):
+    """Within the block, `launch_module` (a kernels_reslin_triton_launch, the plain import or a
+    model's remote-code copy) launches the step's kernels with programmatic dependent launch at
+    every batch size if `on`, at none if not."""
+    return module_setting(launch_module, "PROGRAMMATIC_LAUNCH_MAX_ROWS", 2**62 if on else 0)
+
+
+def split_k(gemv_module, on=True):
+    """Within the block, the products of `gemv_module` (a kernels_reslin_triton_gemv, the plain
+    import or a model's remote-code copy) split K where their tiles are few, given split counters,
+    at every row count of their tl.dot path if `on`, at none if not (`gemv_launch`)."""
+    return module_setting(gemv_module, "SPLIT_K_MAX_ROWS", 2**62 if on else 0)
 
 
 def host_ms(fn, repeats=10):

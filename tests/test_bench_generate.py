@@ -3,6 +3,7 @@ weight-read limit, the states), the GPU's busy time and the goals' verdicts; ben
 --smoke run with stand-ins for FLA's and FlashInfer's kernels (called as their APIs take them, one
 failing)."""
 
+import contextlib
 import re
 import sys
 import types
@@ -106,10 +107,27 @@ def test_smoke_run_prints_a_row_per_loop_and_the_goals(capsys):
     assert re.fullmatch(r"goals: [01] of 1 met", lines[-1])
 
 
-def test_smoke_run_times_the_loops_asked_for(capsys):
-    bench_generate.main(["--smoke", "--rules", "gdn", "--batches", "1", "--repeats", "1", "--loops", "fast", "pdl"])
+@pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")
+def test_smoke_run_times_the_loops_asked_for(capsys, monkeypatch):
+    """Each loop's row, each under its settings and the modules' own settings back after."""
+    seen = []
+
+    def spy(setting):
+        @contextlib.contextmanager
+        def spied(module, on):
+            with setting(module, on):
+                seen.append((module.__name__.rpartition(".")[2], on))
+                yield
+        return spied
+
+    monkeypatch.setattr(bench_generate, "LOOPS", {loop: (fast, tuple((spy(setting), module, on)
+                                                                      for setting, module, on in changes))
+                                                  for loop, (fast, changes) in bench_generate.LOOPS.items()})
+    bench_generate.main(["--smoke", "--rules", "gdn", "--batches", "1", "--repeats", "1", "--loops", "fast", "pdl",
+                         "split"])
     assert [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("gdn ")] == [
-        "fast", "pdl"]
+        "fast", "pdl", "split"]
+    assert seen == [("kernels_reslin_triton_launch", True), ("kernels_reslin_triton_gemv", True)]
 
 
 @pytest.mark.skipif(kernels_reslin.triton_decode_step is None, reason="needs the triton package")

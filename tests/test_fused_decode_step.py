@@ -10,6 +10,7 @@ dependent launch (kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH_MAX_ROWS) cha
 
 import copy
 import importlib
+import sys
 
 import pytest
 import torch
@@ -19,6 +20,13 @@ from test_cuda_graphs import state_tensors
 from test_generate import cache_of
 
 LINEAR_MIXERS = [name for name, fields in MIXERS.items() if "layer_types" not in fields]
+
+
+def split_gemv(reslin_or_modeling):
+    """The kernels_reslin_triton_gemv module whose products a modeling module (or the `reslin`
+    fixture's) calls: where SPLIT_K_MAX_ROWS is set for its model."""
+    modeling = getattr(reslin_or_modeling, "modeling", reslin_or_modeling)
+    return sys.modules[modeling.rms_norm_linear.__module__]
 
 
 def fused_step(model, token, cache):
@@ -31,10 +39,18 @@ def fused_step(model, token, cache):
     return base.norm(hidden_states)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole K", "split K"])
 @pytest.mark.parametrize("mixer_name", LINEAR_MIXERS)
 @torch.no_grad()
-def test_fused_step_equals_the_unfused_forward(mixer_name):
+def test_fused_step_equals_the_unfused_forward(mixer_name, split, monkeypatch):
+    """Three rows: the products' tl.dot path, with K split among as many programs as it has
+    chunks where `split` (the cache's split counters left at zero after each step)."""
     model = build_model(mixer_name)
+    if split:
+        gemv = split_gemv(sys.modules[type(model).__module__])
+        monkeypatch.setattr(gemv, "SPLIT_K_MAX_ROWS", 16)
+        monkeypatch.setattr(gemv, "PROGRAMS_TO_FILL", 2**20)
+        monkeypatch.setattr(gemv, "DOT_BLOCK_K", 16)
     ids = torch.randint(3, 100, (3, 9))
     unfused = cache_of(model(ids[:, :6], use_cache=True))
     fused = copy.deepcopy(unfused)
@@ -42,6 +58,7 @@ def test_fused_step_equals_the_unfused_forward(mixer_name):
         token = ids[:, t:t + 1]
         expected = model.model(token, cache=unfused).last_hidden_state
         torch.testing.assert_close(fused_step(model, token, fused), expected, rtol=1e-4, atol=1e-4)
+        assert not fused.split_counters("cpu").any()
         for a, b in zip(state_tensors(fused), state_tensors(unfused)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -59,10 +76,13 @@ def test_the_fused_step_is_not_taken_where_it_cannot_apply(reslin):
 class TestOnGPU:
     pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+    @pytest.mark.parametrize("split", [False, True], ids=["whole K", "split K"])
     @pytest.mark.parametrize("mixer_name", ["gdn", "kla", "rla", "rdn", "rkla", "sgla"])
     @pytest.mark.parametrize("batch", [1, 16])
     @torch.no_grad()
-    def test_fused_step_equals_the_unfused_one_in_bf16(self, reslin, mixer_name, batch, monkeypatch):
+    def test_fused_step_equals_the_unfused_one_in_bf16(self, reslin, mixer_name, batch, split, monkeypatch):
+        """`split`: the products split K where gemv_launch would (up to 16 rows)."""
+        monkeypatch.setattr(split_gemv(reslin), "SPLIT_K_MAX_ROWS", 16 if split else 0)
         model = build_model(mixer_name, hidden_size=1024, num_heads=8, head_dim=128, intermediate_size=2816,
                             num_hidden_layers=2, decode_cuda_graphs=False).to("cuda", torch.bfloat16)
         ids = torch.randint(3, 100, (batch, 33), device="cuda")
@@ -80,8 +100,10 @@ class TestOnGPU:
         for a, b in zip(state_tensors(caches[True]), state_tensors(caches[False])):
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
+    @pytest.mark.parametrize("split", [False, True], ids=["whole K", "split K"])
     @torch.no_grad()
-    def test_greedy_tokens_equal_the_unfused_step(self, reslin, monkeypatch):
+    def test_greedy_tokens_equal_the_unfused_step(self, reslin, split, monkeypatch):
+        monkeypatch.setattr(split_gemv(reslin), "SPLIT_K_MAX_ROWS", 16 if split else 0)
         model = build_model("rdn", hidden_size=512, num_heads=4, head_dim=128, intermediate_size=1024,
                             num_hidden_layers=4).to("cuda", torch.bfloat16)
         ids = torch.randint(3, 100, (4, 64), device="cuda")

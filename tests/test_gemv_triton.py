@@ -6,8 +6,9 @@ Without a GPU they run in Triton's CPU interpreter in fp32: relative error <= 1e
 (both compute in fp32; only the order of the sums differs). Rows 1 (the one-row path) and 3, 16
 and 17 (the tl.dot path, 17 in two row tiles; the gated norm's 3 rows a program a row), K and N that fill no block, heads of 48 (masked
 lanes) and 128, leading dims [B, 1, K]; each with the launch's own blocks, with small ones
-that split K into several chunks and put many outputs in a program, and with the tl.dot path's
-transposed product (weight @ x.T).
+that split K into several chunks and put many outputs in a program, with the tl.dot path's
+transposed product (weight @ x.T), and with K split among programs (each launch checked to leave
+its split counters at zero).
 
 On the GPU (`pytest -m gpu`) the kernels run compiled in bf16 at a 400M model's shapes for 1, 4
 and 16 rows: relative error <= 1e-2 against the fp32 reference (bf16 rounding of the normed input,
@@ -38,19 +39,30 @@ def on_gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 
 
-@pytest.fixture(params=["launch blocks", "small blocks", "swapped products"])
+@pytest.fixture(params=["launch blocks", "small blocks", "swapped products", "split K"])
 def blocks(request, monkeypatch):
     """The launch's own blocks, or small ones: several chunks along K on both paths (a one-row
     chunk of 128 positions; a tl.dot chunk of 32 in fp32, 16 for SwiGLU, or one head) and as many
     outputs a program as the tile allows (then N's last block is part empty); or the tl.dot path's
-    transposed product, weight @ x.T."""
-    if request.param == "small blocks":
+    transposed product, weight @ x.T; or K split among as many programs as it has chunks of 32
+    (16 for SwiGLU, a head for the gated norm) at every row count of the tl.dot path."""
+    if request.param in ("small blocks", "split K"):
         monkeypatch.setattr(gemv, "MAX_BLOCK_K", 128)
         monkeypatch.setattr(gemv, "DOT_BLOCK_K", 64)
-        monkeypatch.setattr(gemv, "PROGRAMS_TO_FILL", 1)
+        monkeypatch.setattr(gemv, "PROGRAMS_TO_FILL", 1 if request.param == "small blocks" else 2**20)
+    if request.param == "split K":
+        monkeypatch.setattr(gemv, "SPLIT_K_MAX_ROWS", 2**20)
     if request.param == "swapped products":
         monkeypatch.setattr(gemv, "DOT_SWAP_AB", True)
     return request.param
+
+
+def counted(call, *args, **kwargs):
+    """call(*args, split_counters=fresh zeros, **kwargs), checking that the launch left them zero."""
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    y = call(*args, split_counters=counters, **kwargs)
+    assert not counters.any(), "a launch must leave its split counters at zero"
+    return y
 
 
 def rms_norm64(x, weight, eps=EPS):
@@ -80,16 +92,17 @@ def fp32_reference(name, inputs, head_dim=None):
 
 
 def fused(name, inputs, head_dim=None):
+    """The entry point on `inputs`, given split counters (used where the launch splits K)."""
     if name == "rms_norm_linear":
         x, norm_weight, weight = inputs
-        return gemv.rms_norm_linear(x, norm_weight, EPS, weight)
+        return counted(gemv.rms_norm_linear, x, norm_weight, EPS, weight)
     if name == "rms_norm_swiglu":
         x, norm_weight, gate_weight, up_weight = inputs
-        return gemv.rms_norm_swiglu(x, norm_weight, EPS, gate_weight, up_weight)
+        return counted(gemv.rms_norm_swiglu, x, norm_weight, EPS, gate_weight, up_weight)
     if name == "gated_rms_norm_linear":
         o, gate, norm_weight, weight, residual = inputs
-        return gemv.gated_rms_norm_linear(o, gate, norm_weight, EPS, head_dim, weight, residual)
-    return gemv.linear_residual(*inputs)
+        return counted(gemv.gated_rms_norm_linear, o, gate, norm_weight, EPS, head_dim, weight, residual)
+    return counted(gemv.linear_residual, *inputs)
 
 
 def unfused(reslin, name, inputs, head_dim=None, fused_layers=False):
@@ -211,7 +224,7 @@ def test_in_projection_with_its_convolutions_matches_the_reference(blocks, B, ke
         taps = tuple((0.5 * torch.randn(width, 1, C)).to(dtype) for width in widths)
         states = tuple(torch.randn(B, width, C - 1, dtype=dtype) for width in widths)
         initial = tuple(state.clone() for state in states)
-        y = gemv.rms_norm_linear(x, norm_weight, EPS, weight, convolutions=(taps, states))
+        y = counted(gemv.rms_norm_linear, x, norm_weight, EPS, weight, convolutions=(taps, states))
         product = gemv.rms_norm_linear(x, norm_weight, EPS, weight)
         expected, moved = short_convolutions(product, taps, initial)
     assert y.shape == (B, 1, N) and y.dtype == dtype
@@ -262,6 +275,8 @@ def test_bad_inputs_raise():
             ("residual must be", lambda: gemv.linear_residual(x, weight, residual[:, :, :-1])),
             ("residual must be", lambda: gemv.gated_rms_norm_linear(x, x, head_weight, EPS, head_dim, weight,
                                                                     residual.half())),
+            ("split_counters must be a contiguous 1-d int32",
+             lambda: gemv.linear_residual(x, weight, residual, split_counters=torch.zeros(8))),
             ("no backward", lambda: gemv.linear_residual(x, weight.requires_grad_(), residual)),
         ]
         for message, call in cases:
@@ -269,6 +284,14 @@ def test_bad_inputs_raise():
                 call()
         with torch.no_grad():  # without grad mode the same call runs
             gemv.linear_residual(x, weight, residual)
+
+
+def test_too_few_split_counters_raise(monkeypatch):
+    monkeypatch.setattr(gemv, "SPLIT_K_MAX_ROWS", 16)
+    with torch.device(DEVICE), torch.no_grad():
+        x, weight, residual = torch.randn(4, 256), torch.randn(100, 256), torch.randn(4, 100)
+        with pytest.raises(ValueError, match="split_counters holds 3 counters, this product's 4 tiles need one each"):
+            gemv.linear_residual(x, weight, residual, split_counters=torch.zeros(3, dtype=torch.int32))
 
 
 # The 400M model's step (hidden 1024, 8 heads of 128, SwiGLU 2816): the in-projection's q, k, v,
@@ -280,27 +303,33 @@ REAL_SIZES = [("rms_norm_linear", 1024, 2 * 1024 + 1024 + 3 * 8 + 1024, None),
               ("linear_residual", 2816, 1024, None)]
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole K", "split K"])
 @pytest.mark.parametrize("rows", [1, 4, 16])
 @pytest.mark.parametrize("name,K,N,head_dim", REAL_SIZES, ids=[case[0] for case in REAL_SIZES])
 @on_gpu
-def test_bf16_at_real_sizes(reslin, name, K, N, head_dim, rows):
+def test_bf16_at_real_sizes(reslin, monkeypatch, name, K, N, head_dim, rows, split):
     """bf16 compiled at the 400M shapes, a decode step's [B, 1, K]: within bf16 rounding of the
     fp32 reference (1e-2) and no further from it than the unfused bf16 path (+ 1e-3), within one
-    bf16 rounding (4e-3) of that path, which rounds where it does."""
+    bf16 rounding (4e-3) of that path, which rounds where it does. With K split (at 4 and 16
+    rows, on the tl.dot path), the same bits at every call: the splits' sums are added in one
+    order whichever program ends last."""
+    monkeypatch.setattr(gemv, "SPLIT_K_MAX_ROWS", 16 if split else 0)
     inputs = make_inputs(name, (rows, 1), K, N, head_dim, dtype=torch.bfloat16)
     with torch.no_grad():
         y = fused(name, inputs, head_dim)
         expected = unfused(reslin, name, inputs, head_dim, fused_layers=True)
+        if split:
+            assert all(torch.equal(fused(name, inputs, head_dim), y) for _ in range(20))
     assert y.shape == expected.shape and y.dtype == torch.bfloat16 and torch.isfinite(y).all()
     reference = fp32_reference(name, [t.float() for t in inputs], head_dim)
     assert rel_err(y, reference) <= min(1e-2, rel_err(expected, reference) + 1e-3)
     assert rel_err(y, expected) <= 4e-3
 
 
-def test_benchmark_smoke_run_prints_every_row_and_the_sweep(capsys):
+def test_benchmark_smoke_run_prints_every_row_and_the_sweep(capsys, monkeypatch):
     """benchmarks/bench_gemv.py --smoke: a row per entry point and batch, ours against the unfused
     path within fp32's rounding (bf16's on a GPU); --sweep ranks the tiles it tried, the launch's
-    pick among them."""
+    pick among them; --pdl and --split time ours again, each module's own setting back after."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import bench_gemv
 
@@ -316,3 +345,10 @@ def test_benchmark_smoke_run_prints_every_row_and_the_sweep(capsys):
     out = capsys.readouterr().out
     assert " PDL us " in out and float(re.search(r"([\d.]+)  \(1, ", out)[1]) > 0  # ours again, under PDL
     assert bench_gemv.triton_launch.PROGRAMMATIC_LAUNCH_MAX_ROWS == default  # its own setting back
+    monkeypatch.setattr(bench_gemv.gemv, "DOT_BLOCK_K", 16)  # chunks of 16: the smoke shape's K of 48 in three
+    default = bench_gemv.gemv.SPLIT_K_MAX_ROWS
+    bench_gemv.main(["--smoke", "--rows", "2", "--entry-points", "linear_residual", "--split"])
+    out = capsys.readouterr().out
+    assert " split us " in out and float(re.search(r"([\d.]+)  \(16, ", out)[1]) > 0
+    assert "(16, 32, 16, 4, 4, False, 1), split (16, 32, 16, 4, 4, False, 2)" in out
+    assert bench_gemv.gemv.SPLIT_K_MAX_ROWS == default

@@ -168,24 +168,38 @@ GEMV_SHAPES = [(name, K, N, norm, head_dim, swiglu, residual, conv_size)
                    ("linear_residual", inner, hidden, "none", None, False, True, 0))]
 
 
-def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, conv_size, dtype, pdl):
+def gemv_config(M, K, N, norm, head_dim, swiglu, residual, conv_size, dtype, split):
+    """gemv_kernels.gemv_config for these, with split counters given and, where `split`, K split
+    at every row count of the tl.dot path (else at none)."""
+    default = gemv_kernels.SPLIT_K_MAX_ROWS
+    gemv_kernels.SPLIT_K_MAX_ROWS = 2**62 if split else 0
+    try:
+        return gemv_kernels.gemv_config(M, N, K, DTYPES[dtype][0].primitive_bitwidth // 8, norm, head_dim, swiglu,
+                                        residual, conv_size, can_split=True)
+    finally:
+        gemv_kernels.SPLIT_K_MAX_ROWS = default
+
+
+def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, conv_size, dtype, pdl, split):
     """`_gemv_kernel` as `kernels_reslin_triton_gemv` launches it for M contiguous rows: every
     tensor in the input's dtype (a model's norm weights too), integers specialised as a launch
     specialises them (equal to 1: a constant; multiples of 16 marked so)."""
     fn = gemv_kernels._gemv_kernel
     params = list(inspect.signature(fn.kernel.fn).parameters)
-    element_type, pointer_type = DTYPES[dtype]
-    K_span, constexprs, warps, stages = gemv_kernels.gemv_config(M, N, K, element_type.primitive_bitwidth // 8, norm,
-                                                                 head_dim, swiglu, residual, conv_size)
+    pointer_type = DTYPES[dtype][1]
+    K_span, constexprs, warps, stages, split_span = gemv_config(M, K, N, norm, head_dim, swiglu, residual, conv_size,
+                                                                dtype, split)
     present = dict(gate_ptr=norm == "gated_heads", norm_weight_ptr=norm != "none", up_weight_ptr=swiglu,
-                   residual_ptr=residual, **{f"{x}_{part}_ptr": conv_size > 0 for x in "qkv" for part in ("state", "taps")})
+                   residual_ptr=residual, partials_ptr=constexprs["SPLIT"], counters_ptr=constexprs["SPLIT"],
+                   **{f"{x}_{part}_ptr": conv_size > 0 for x in "qkv" for part in ("state", "taps")})
     sizes = dict(M=M, N=N, K=K, K_SPAN=K_span, x_stride=K, gate_stride=K if norm == "gated_heads" else 0,
                  residual_stride=N if residual else 0, KEY_WIDTH=K if conv_size else 0,
-                 VALUE_WIDTH=K if conv_size else 0)
+                 VALUE_WIDTH=K if conv_size else 0, SPLITS=-(-K_span // split_span), SPLIT_SPAN=split_span)
     constexprs = {**constexprs, "PDL": pdl, "PRELOAD": pdl, **{name: None for name, here in present.items() if not here},
                   **{name: 1 for name, size in sizes.items() if size == 1}}
-    signature = {name: "constexpr" if name in constexprs else pointer_type if name.endswith("_ptr") else
-                 "fp32" if name == "eps" else "i32" for name in params}
+    pointer_types = dict(partials_ptr="*fp32", counters_ptr="*i32")
+    signature = {name: "constexpr" if name in constexprs else pointer_types.get(name, pointer_type)
+                 if name.endswith("_ptr") else "fp32" if name == "eps" else "i32" for name in params}
     aligned = [name for name in params if name.endswith("_ptr") or sizes.get(name, 1) % 16 == 0]
     return compile_for_sm90(fn, signature, constexprs, aligned, warps, stages), constexprs, warps, stages
 
@@ -305,14 +319,18 @@ def main():
             failures += report(label, lambda: compile_layer_variant(fn, constexprs, absent, pointer_type, warps),
                                args.registers)
         for name, K, N, norm, head_dim, swiglu, residual, conv_size in GEMV_SHAPES:
-            for M, pdl in itertools.product((1, 4, 16), (False, True)):  # PDL: programmatic_launch
-                _, constexprs, warps, stages = gemv_kernels.gemv_config(
-                    M, N, K, DTYPES[dtype][0].primitive_bitwidth // 8, norm, head_dim, swiglu, residual, conv_size)
+            # PDL: programmatic_launch; split: K split at 4 and 16 rows (SPLIT_K_MAX_ROWS)
+            for M, pdl, split in itertools.product((1, 4, 16), (False, True), (False, True)):
+                K_span, constexprs, warps, stages, split_span = gemv_config(M, K, N, norm, head_dim, swiglu, residual,
+                                                                            conv_size, dtype, split)
+                if split and not constexprs["SPLIT"]:
+                    continue  # the launch does not split here: the variant without is the same
                 blocks = " ".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB"))
+                splits = f" splits={-(-K_span // split_span)}" if split else ""
                 label = (f"_gemv_kernel {name:22s} {dtype} M{M} K{K} N{N} {blocks} warps={warps} stages={stages}"
-                         f"{f' conv {conv_size}' if conv_size else ''}{' PDL' if pdl else ''}")
+                         f"{splits}{f' conv {conv_size}' if conv_size else ''}{' PDL' if pdl else ''}")
                 failures += report(label, lambda: compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual,
-                                                                       conv_size, dtype, pdl)[0], args.registers)
+                                                                       conv_size, dtype, pdl, split)[0], args.registers)
     print(f"{failures} variant(s) failed")
     sys.exit(1 if failures else 0)
 

@@ -39,11 +39,11 @@
 #                (540). For changes that show only replayed (launch overlap, PDL): kernel_variants
 #                times kernels and eager calls.
 #   gemv         benchmarks/bench_gemv.py: the fused GEMVs beside the unfused step's kernels, replayed; more
-#                options in $GEMV_ARGS ("--pdl", "--sweep": ~150-300 s) (540)
+#                options in $GEMV_ARGS ("--pdl", "--split", "--sweep": ~150-300 s) (540)
 #   decode       benchmarks/bench_decode.py: our decode step beside FLA's and FlashInfer's, those that import;
 #                more options in $DECODE_ARGS ("--pdl") (240)
 #   generate     benchmarks/bench_generate.py, the 400m shape: every rule, both loops, FLA's generate beside;
-#                more options in $GENERATE_ARGS ("--rules gdn --no-fla", "--loops fast pdl", "--top 12") (570: the
+#                more options in $GENERATE_ARGS ("--rules gdn --no-fla", "--loops fast pdl split", "--top 12") (570: the
 #                rows print as measured)
 #   generate-1.3b  the same at the 1.3b shape (570)
 #   training     benchmarks/bench_training.py (600)
