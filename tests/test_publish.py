@@ -39,7 +39,7 @@ def test_sends_the_tracked_files_but_ci_and_nothing_untracked():
                    "DESIGN.md", "DEVELOPMENT.md", "benchmarks/README.md"):
         assert needed in files, needed
     for path in files:
-        assert not path.startswith((".venv/", "scratch/", "out/", ".whl/", ".triton-parts/", ".ci/")), path
+        assert not path.startswith((".venv/", "scratch/", "out/", ".whl/", ".carry-parts/", ".ci/")), path
         assert "__pycache__" not in path and not path.endswith(".pyc"), path
     tracked = set(subprocess.run(["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True,
                                  check=True).stdout.split())

@@ -8,6 +8,7 @@
 # follows at the end. FLA 0.6.0 is installed from .whl/ when present (carry it: see
 # DEVELOPMENT.md), into /tmp/site, never into the machine's environment.
 #
+# With no job it prints the versions it runs on (with $CARRIED_SITES: tools/carry.sh's folders).
 # Jobs (limit in seconds):
 #   tests        pytest -m gpu: the GPU tests, 4 workers (560; on a freshly started machine they
 #                can take longer: then run its parts in calls of their own)
@@ -69,11 +70,19 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
-# Another Triton release (tools/carry_triton.sh) goes first on the path, ahead of the image's.
-if [ -n "${TRITON_SITE:-}" ]; then
-  export PYTHONPATH=$TRITON_SITE${PYTHONPATH:+:$PYTHONPATH}
+# Folders of packages that tools/carry.sh carried go first on the path, ahead of the image's, their
+# .pth files in effect as in site-packages (the CuTe DSL's puts its own packages on the path).
+if [ -n "${CARRIED_SITES:-}" ]; then
+  PYTHONPATH=$(python3 -c 'import os, site, sys
+before = list(sys.path)
+for folder in sys.argv[1:]:
+    site.addsitedir(folder)
+print(os.pathsep.join([p for p in sys.path if p not in before] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))' $CARRIED_SITES)
+  export PYTHONPATH
 fi
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee "$logs/versions.log"
+python3 -c "import importlib.metadata as metadata, torch, triton
+print('torch', torch.__version__, 'triton', triton.__version__, triton.__file__, *(f'{name} {metadata.version(name)}'
+      for name in ('fla-core', 'flashinfer-python') if any(metadata.distributions(name=name))))" | tee "$logs/versions.log"
 
 job() {  # job NAME LIMIT COMMAND...
   local name=$1 limit=$2
