@@ -50,7 +50,7 @@ class ResLinCache:
         # generation_reslin.ResLinDecodeGraph: a generation step captured against this cache's states.
         self.decode_graph = None
         self.side_by_side = {}  # layer -> (the weights' identity, their concatenation)
-        self.split_tickets = None  # `split_counters`
+        self.split_tickets = {}  # device -> `split_counters`
 
     @staticmethod
     def signature(config):
@@ -120,12 +120,14 @@ class ResLinCache:
         return held[1], made_now
 
     def split_counters(self, device):
-        """The generation step's split counters (kernels_reslin_triton_gemv): int32 zeros, made at
-        the first step, that each of the step's products leaves at zero. A step's launches run in
-        turn, so one set serves them all; a captured step reads them where they lay at capture."""
-        if self.split_tickets is None:
-            self.split_tickets = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-        return self.split_tickets
+        """The generation step's split counters on `device` (kernels_reslin_triton_gemv): int32
+        zeros, made at the first step, that each of the step's products leaves at zero. A step's
+        launches run in turn, so one set a device serves them all; a captured step reads them where
+        they lay at capture."""
+        device = torch.device(device)
+        if device not in self.split_tickets:
+            self.split_tickets[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+        return self.split_tickets[device]
 
     def swap_step_states(self, held):
         """Exchange what a generation step reads and writes, (conv_states, recurrent_states,

@@ -439,7 +439,7 @@ class KeptStep:
         self.key, self.steps = key, steps
         self.states = ([tuple(x.clone() for x in layer) for layer in cache.conv_states],
                        [tuple(None if x is None else x.clone() for x in layer) for layer in cache.recurrent_states],
-                       dict(cache.side_by_side), None)
+                       dict(cache.side_by_side), {})
         self.cache_states = None  # the borrowing cache's own, while lent
         self.in_use = False
 
