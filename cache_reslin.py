@@ -50,7 +50,7 @@ class ResLinCache:
         # generation_reslin.ResLinDecodeGraph: a generation step captured against this cache's states.
         self.decode_graph = None
         self.side_by_side = {}  # layer -> (the weights' identity, their concatenation)
-        self.split_tickets = {}  # device -> `split_counters`
+        self.split_counters_by_device = {}  # device -> its `split_counters`
 
     @staticmethod
     def signature(config):
@@ -125,17 +125,17 @@ class ResLinCache:
         launches run in turn, so one set a device serves them all; a captured step reads them where
         they lay at capture."""
         device = torch.device(device)
-        if device not in self.split_tickets:
-            self.split_tickets[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-        return self.split_tickets[device]
+        if device not in self.split_counters_by_device:
+            self.split_counters_by_device[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+        return self.split_counters_by_device[device]
 
     def swap_step_states(self, held):
         """Exchange what a generation step reads and writes, (conv_states, recurrent_states,
         side_by_side, split counters), with `held`, of a cache of the same shapes; returns this
         cache's. generation_reslin lends a generate call's cache the states of a kept step graph
         this way."""
-        own = (self.conv_states, self.recurrent_states, self.side_by_side, self.split_tickets)
-        self.conv_states, self.recurrent_states, self.side_by_side, self.split_tickets = held
+        own = (self.conv_states, self.recurrent_states, self.side_by_side, self.split_counters_by_device)
+        self.conv_states, self.recurrent_states, self.side_by_side, self.split_counters_by_device = held
         return own
 
     def update_attention(self, layer_idx, keys, values):

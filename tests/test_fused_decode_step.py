@@ -58,7 +58,7 @@ def test_fused_step_equals_the_unfused_forward(mixer_name, split, monkeypatch):
         token = ids[:, t:t + 1]
         expected = model.model(token, cache=unfused).last_hidden_state
         torch.testing.assert_close(fused_step(model, token, fused), expected, rtol=1e-4, atol=1e-4)
-        assert list(fused.split_tickets) == [torch.device("cpu")] and not fused.split_counters("cpu").any()
+        assert list(fused.split_counters_by_device) == [torch.device("cpu")] and not fused.split_counters("cpu").any()
         for a, b in zip(state_tensors(fused), state_tensors(unfused)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
