@@ -438,14 +438,15 @@ def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, head_d
     if M:
         splits = _cdiv(K_span, split_span)
         grid = (_cdiv(N, constexprs["BLOCK_N"]), _cdiv(M, constexprs["BLOCK_M"]), splits)
-        partials = None
+        partials, counters = None, None  # unused unsplit: one compiled variant with counters given or not
         if constexprs["SPLIT"]:
             if split_counters.numel() < grid[0] * grid[1]:
                 raise ValueError(f"split_counters holds {split_counters.numel()} counters, this product's "
                                  f"{grid[0] * grid[1]} tiles need one each")
             partials = torch.empty(splits * (2 if swiglu else 1) * M * N, device=x.device, dtype=torch.float32)
+            counters = split_counters
         _gemv_kernel[grid](rows, gate, norm_weight, weight, up_weight, residual, y, *states, *taps, *widths,
-                           partials, split_counters, splits, split_span, M, N, K, K_span, rows.stride(0),
+                           partials, counters, splits, split_span, M, N, K, K_span, rows.stride(0),
                            0 if gate is None else gate.stride(0), 0 if residual is None else residual.stride(0), eps,
                            **constexprs, **pdl, PRELOAD=pdl["PDL"] and not weight_just_written, num_warps=warps,
                            num_stages=stages)
