@@ -64,6 +64,10 @@ GATED_ONE_ROW_BLOCK_N = 8
 # caller gives split counters (`gemv_launch`). 0: never, until a GPU run has timed it in a model's
 # step (bench_generate.py's "split" loop) and run its GPU tests.
 SPLIT_K_MAX_ROWS = 0
+# ... and only a product of at most this many tiles: at 16 rows of the 400M shapes (bench_gemv.py
+# --split, H100) o_proj's and down's 32 tiles took 9.1 -> 5.5 and 7.4 -> 6.7 us a call split,
+# the in-projection's 129 and SwiGLU's 88 took 7.7 -> 8.7 and 9.0 -> 9.6.
+SPLIT_K_MAX_TILES = 64
 
 
 @_Launcher
@@ -335,9 +339,10 @@ def gemv_launch(M, N, K_span, group_block, weights, element_bytes, can_split=Fal
     More rows: tl.dot tiles of 16 rows and DOT_BLOCK_N outputs, chunks along K that Triton's
     software pipeline keeps DOT_STAGES deep in flight through shared memory (GATED_DOT_STAGES for
     the gated norm); SwiGLU's short chunks, two weights of 64 positions, ranked first at 4 and
-    16 rows (1.3-1.5x faster than chunks of 128). Up to SPLIT_K_MAX_ROWS rows K is split in two,
-    four, ... while the tiles are fewer than PROGRAMS_TO_FILL: N / DOT_BLOCK_N tiles leave most
-    SMs idle where N is the hidden width (32 tiles at 400M)."""
+    16 rows (1.3-1.5x faster than chunks of 128). Up to SPLIT_K_MAX_ROWS rows, in a product of
+    at most SPLIT_K_MAX_TILES tiles, K is split in two, four, ... while the tiles are fewer than
+    PROGRAMS_TO_FILL: N / DOT_BLOCK_N tiles leave most SMs idle where N is the hidden width (32
+    tiles at 400M)."""
     K_block = max(16, _next_power_of_2(K_span))
     gated = group_block > 1
     one_row_K = max(group_block, min(K_block, MAX_BLOCK_K))
@@ -351,8 +356,8 @@ def gemv_launch(M, N, K_span, group_block, weights, element_bytes, can_split=Fal
     chunk = DOT_BLOCK_K * 2 // element_bytes // (1 if weights == 1 else 4)
     BLOCK_K = max(group_block, min(K_block, max(16, chunk)))
     splits = 1
-    if can_split and M <= SPLIT_K_MAX_ROWS:
-        tiles = _cdiv(N, DOT_BLOCK_N) * _cdiv(M, DOT_BLOCK_M)
+    tiles = _cdiv(N, DOT_BLOCK_N) * _cdiv(M, DOT_BLOCK_M)
+    if can_split and M <= SPLIT_K_MAX_ROWS and tiles <= SPLIT_K_MAX_TILES:
         while tiles * splits < PROGRAMS_TO_FILL and 2 * splits <= _cdiv(K_span, BLOCK_K):
             splits *= 2
     return DOT_BLOCK_M, DOT_BLOCK_N, BLOCK_K, 4, GATED_DOT_STAGES if gated else DOT_STAGES, DOT_SWAP_AB, splits

@@ -4,7 +4,8 @@ unfused forward: the same hidden states and cache states, step after step.
 On a CPU the fused kernels run in Triton's interpreter in fp32 and are called directly (the model
 takes the fused step on CUDA only): hidden states within 1e-4, states within 1e-5. On the GPU
 (`pytest -m gpu`) the model's own switch compares the two paths in bf16 at the 400M block shape:
-hidden states within 2e-2 relative to their scale, greedy tokens equal; and programmatic
+hidden states and cache states within 2e-2 of their scale and 1e-2 in norm, greedy tokens equal
+(with K split in the products too); and programmatic
 dependent launch (kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH_MAX_ROWS) changes no bit.
 """
 
@@ -49,6 +50,7 @@ def test_fused_step_equals_the_unfused_forward(mixer_name, split, monkeypatch):
     if split:
         gemv = split_gemv(sys.modules[type(model).__module__])
         monkeypatch.setattr(gemv, "SPLIT_K_MAX_ROWS", 16)
+        monkeypatch.setattr(gemv, "SPLIT_K_MAX_TILES", 2**20)
         monkeypatch.setattr(gemv, "PROGRAMS_TO_FILL", 2**20)
         monkeypatch.setattr(gemv, "DOT_BLOCK_K", 16)
     ids = torch.randint(3, 100, (3, 9))
@@ -73,6 +75,15 @@ def test_the_fused_step_is_not_taken_where_it_cannot_apply(reslin):
     assert not block.takes_fused_decode_step(x, None)
 
 
+def assert_close_to_scale(a, b):
+    """bf16 results of two roundings of one step: every element within 2e-2 of b's largest
+    magnitude, and the whole within 1e-2 relative (in norm). Elementwise relative error is no
+    measure here: the second layer's inputs differ by the first's rounding, and a state element
+    near zero is moved by it as much as a large one."""
+    torch.testing.assert_close(a, b, rtol=0, atol=2e-2 * float(b.abs().max()))
+    assert ((a - b).norm() / b.norm()).item() <= 1e-2
+
+
 class TestOnGPU:
     pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -95,10 +106,8 @@ class TestOnGPU:
             assert model.model.layers[0].takes_fused_decode_step(step_input, cache) == fused
             hidden[fused] = model.model(ids[:, 32:], cache=cache).last_hidden_state.float()
             caches[fused] = cache
-        scale = hidden[False].abs().max()
-        torch.testing.assert_close(hidden[True], hidden[False], rtol=0, atol=2e-2 * float(scale))
-        for a, b in zip(state_tensors(caches[True]), state_tensors(caches[False])):
-            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        for a, b in zip([hidden[True], *state_tensors(caches[True])], [hidden[False], *state_tensors(caches[False])]):
+            assert_close_to_scale(a.float(), b.float())
 
     @pytest.mark.parametrize("split", [False, True], ids=["whole K", "split K"])
     @torch.no_grad()

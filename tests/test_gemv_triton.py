@@ -52,6 +52,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(gemv, "PROGRAMS_TO_FILL", 1 if request.param == "small blocks" else 2**20)
     if request.param == "split K":
         monkeypatch.setattr(gemv, "SPLIT_K_MAX_ROWS", 2**20)
+        monkeypatch.setattr(gemv, "SPLIT_K_MAX_TILES", 2**20)
     if request.param == "swapped products":
         monkeypatch.setattr(gemv, "DOT_SWAP_AB", True)
     return request.param
@@ -59,7 +60,7 @@ def blocks(request, monkeypatch):
 
 def counted(call, *args, **kwargs):
     """call(*args, split_counters=fresh zeros, **kwargs), checking that the launch left them zero."""
-    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    counters = torch.zeros(1024, dtype=torch.int32, device=DEVICE)  # as many as a cache's
     y = call(*args, split_counters=counters, **kwargs)
     assert not counters.any(), "a launch must leave its split counters at zero"
     return y
@@ -314,6 +315,7 @@ def test_bf16_at_real_sizes(reslin, monkeypatch, name, K, N, head_dim, rows, spl
     rows, on the tl.dot path), the same bits at every call: the splits' sums are added in one
     order whichever program ends last."""
     monkeypatch.setattr(gemv, "SPLIT_K_MAX_ROWS", 16 if split else 0)
+    monkeypatch.setattr(gemv, "SPLIT_K_MAX_TILES", 2**20)  # every product split, not only the default's
     inputs = make_inputs(name, (rows, 1), K, N, head_dim, dtype=torch.bfloat16)
     with torch.no_grad():
         y = fused(name, inputs, head_dim)
