@@ -407,21 +407,22 @@ def _check_norm_weight(norm_weight, size, x, what):
 
 def gemv_config(M, N, K, element_bytes, norm, head_dim=None, swiglu=False, residual=False, conv_size=0,
                 can_split=False):
-    """(K_SPAN, constexprs, num_warps, num_stages, SPLIT_SPAN) of `_gemv_kernel` for M rows of K
-    channels and N outputs of element_bytes each: the host's launch, and tools/compile_for_gpu.py's
-    variants. `head_dim`: the group of the "gated_heads" norm; `conv_size`: the short convolutions'
-    taps; `can_split`: the caller gave split counters. SPLIT_SPAN: the padded positions of a split
-    (K_SPAN where K is not split)."""
+    """(K_SPAN, constexprs, num_warps, num_stages, SPLITS, SPLIT_SPAN) of `_gemv_kernel` for M rows
+    of K channels and N outputs of element_bytes each: the host's launch, and
+    tools/compile_for_gpu.py's variants. `head_dim`: the group of the "gated_heads" norm;
+    `conv_size`: the short convolutions' taps; `can_split`: the caller gave split counters.
+    SPLITS: the programs K is split among (1: not split); SPLIT_SPAN: the padded positions of each."""
     group_block = _next_power_of_2(head_dim) if norm == "gated_heads" else None
     K_span = K // head_dim * group_block if group_block else K
     BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab, splits = gemv_launch(
         M, N, K_span, group_block or 1, 2 if swiglu else 1, element_bytes, can_split)
     split_span = _cdiv(_cdiv(K_span, BLOCK_K), splits) * BLOCK_K
+    splits = _cdiv(K_span, split_span)  # fewer where the chunks do not share out evenly
     group, group_block = (head_dim, group_block) if group_block else (BLOCK_K, BLOCK_K)  # else a position is a channel
     constexprs = dict(NORM=norm, SWIGLU=swiglu, RESIDUAL=residual, CONV_SIZE=conv_size,
                       CONV_SLOTS=_next_power_of_2(max(conv_size - 1, 1)), GROUP=group, GROUP_BLOCK=group_block,
-                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SWAP_AB=swap_ab, SPLIT=split_span < K_span)
-    return K_span, constexprs, warps, stages, split_span
+                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SWAP_AB=swap_ab, SPLIT=splits > 1)
+    return K_span, constexprs, warps, stages, splits, split_span
 
 
 @_on_inputs_device
@@ -434,14 +435,12 @@ def _launch(x, gate, norm_weight, eps, weight, up_weight, residual, norm, head_d
     taps, states = convolutions or ((None,) * 3, (None,) * 3)
     conv_size = 0 if convolutions is None else taps[0].shape[-1]
     swiglu = up_weight is not None
-    K_span, constexprs, warps, stages, split_span = gemv_config(M, N, K, x.element_size(), norm, head_dim, swiglu,
-                                                                residual is not None, conv_size,
-                                                                split_counters is not None)
+    K_span, constexprs, warps, stages, splits, split_span = gemv_config(
+        M, N, K, x.element_size(), norm, head_dim, swiglu, residual is not None, conv_size, split_counters is not None)
     widths = (0, 0) if convolutions is None else (taps[0].shape[0], taps[2].shape[0])
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     pdl = programmatic_launch(rows)
     if M:
-        splits = _cdiv(K_span, split_span)
         grid = (_cdiv(N, constexprs["BLOCK_N"]), _cdiv(M, constexprs["BLOCK_M"]), splits)
         partials, counters = None, None  # unused unsplit: one compiled variant with counters given or not
         if constexprs["SPLIT"]:

@@ -57,11 +57,10 @@ def problem(name, hidden, heads, inner):
 def launch(name, rows, K, N, head_dim):
     """gemv_launch's pick for this call, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap_ab, splits),
     and the (K_span, group_block) it was picked for."""
-    K_span, blocks, warps, stages, split_span = gemv.gemv_config(rows, N, K, DTYPE.itemsize, ENTRY_POINTS[name],
-                                                                 head_dim, name == "rms_norm_swiglu",
-                                                                 name.endswith("residual"), can_split=True)
-    tile = (blocks["BLOCK_M"], blocks["BLOCK_N"], blocks["BLOCK_K"], warps, stages, blocks["SWAP_AB"],
-            -(-K_span // split_span))
+    K_span, blocks, warps, stages, splits, _ = gemv.gemv_config(rows, N, K, DTYPE.itemsize, ENTRY_POINTS[name],
+                                                                head_dim, name == "rms_norm_swiglu",
+                                                                name.endswith("residual"), can_split=True)
+    tile = (blocks["BLOCK_M"], blocks["BLOCK_N"], blocks["BLOCK_K"], warps, stages, blocks["SWAP_AB"], splits)
     return tile, K_span, blocks["GROUP_BLOCK"] if head_dim else 1
 
 

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest.mock
 
 import triton
 import triton.language as tl
@@ -171,13 +172,9 @@ GEMV_SHAPES = [(name, K, N, norm, head_dim, swiglu, residual, conv_size)
 def gemv_config(M, K, N, norm, head_dim, swiglu, residual, conv_size, dtype, split):
     """gemv_kernels.gemv_config for these, with split counters given and, where `split`, K split
     at every row count of the tl.dot path (else at none)."""
-    default = gemv_kernels.SPLIT_K_MAX_ROWS
-    gemv_kernels.SPLIT_K_MAX_ROWS = 2**62 if split else 0
-    try:
+    with unittest.mock.patch.object(gemv_kernels, "SPLIT_K_MAX_ROWS", 2**62 if split else 0):
         return gemv_kernels.gemv_config(M, N, K, DTYPES[dtype][0].primitive_bitwidth // 8, norm, head_dim, swiglu,
                                         residual, conv_size, can_split=True)
-    finally:
-        gemv_kernels.SPLIT_K_MAX_ROWS = default
 
 
 def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, conv_size, dtype, pdl, split):
@@ -187,14 +184,14 @@ def compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual, conv_size, d
     fn = gemv_kernels._gemv_kernel
     params = list(inspect.signature(fn.kernel.fn).parameters)
     pointer_type = DTYPES[dtype][1]
-    K_span, constexprs, warps, stages, split_span = gemv_config(M, K, N, norm, head_dim, swiglu, residual, conv_size,
-                                                                dtype, split)
+    K_span, constexprs, warps, stages, splits, split_span = gemv_config(M, K, N, norm, head_dim, swiglu, residual,
+                                                                        conv_size, dtype, split)
     present = dict(gate_ptr=norm == "gated_heads", norm_weight_ptr=norm != "none", up_weight_ptr=swiglu,
                    residual_ptr=residual, partials_ptr=constexprs["SPLIT"], counters_ptr=constexprs["SPLIT"],
                    **{f"{x}_{part}_ptr": conv_size > 0 for x in "qkv" for part in ("state", "taps")})
     sizes = dict(M=M, N=N, K=K, K_SPAN=K_span, x_stride=K, gate_stride=K if norm == "gated_heads" else 0,
                  residual_stride=N if residual else 0, KEY_WIDTH=K if conv_size else 0,
-                 VALUE_WIDTH=K if conv_size else 0, SPLITS=-(-K_span // split_span), SPLIT_SPAN=split_span)
+                 VALUE_WIDTH=K if conv_size else 0, SPLITS=splits, SPLIT_SPAN=split_span)
     constexprs = {**constexprs, "PDL": pdl, "PRELOAD": pdl, **{name: None for name, here in present.items() if not here},
                   **{name: 1 for name, size in sizes.items() if size == 1}}
     pointer_types = dict(partials_ptr="*fp32", counters_ptr="*i32")
@@ -321,14 +318,14 @@ def main():
         for name, K, N, norm, head_dim, swiglu, residual, conv_size in GEMV_SHAPES:
             # PDL: programmatic_launch; split: K split at 4 and 16 rows (SPLIT_K_MAX_ROWS)
             for M, pdl, split in itertools.product((1, 4, 16), (False, True), (False, True)):
-                K_span, constexprs, warps, stages, split_span = gemv_config(M, K, N, norm, head_dim, swiglu, residual,
-                                                                            conv_size, dtype, split)
+                constexprs, warps, stages, splits = gemv_config(M, K, N, norm, head_dim, swiglu, residual, conv_size,
+                                                                dtype, split)[1:5]
                 if split and not constexprs["SPLIT"]:
                     continue  # the launch does not split here: the variant without is the same
                 blocks = " ".join(f"{k}={constexprs[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB"))
-                splits = f" splits={-(-K_span // split_span)}" if split else ""
+                split_text = f" splits={splits}" if split else ""
                 label = (f"_gemv_kernel {name:22s} {dtype} M{M} K{K} N{N} {blocks} warps={warps} stages={stages}"
-                         f"{splits}{f' conv {conv_size}' if conv_size else ''}{' PDL' if pdl else ''}")
+                         f"{split_text}{f' conv {conv_size}' if conv_size else ''}{' PDL' if pdl else ''}")
                 failures += report(label, lambda: compile_gemv_variant(M, K, N, norm, head_dim, swiglu, residual,
                                                                        conv_size, dtype, pdl, split)[0], args.registers)
     print(f"{failures} variant(s) failed")
