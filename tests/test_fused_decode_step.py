@@ -4,8 +4,8 @@ unfused forward: the same hidden states and cache states, step after step.
 On a CPU the fused kernels run in Triton's interpreter in fp32 and are called directly (the model
 takes the fused step on CUDA only): hidden states within 1e-4, states within 1e-5. On the GPU
 (`pytest -m gpu`) the model's own switch compares the two paths in bf16 at the 400M block shape:
-hidden states and cache states within 2e-2 of their scale and 1e-2 in norm, greedy tokens equal
-(with K split in the products too); and programmatic
+each no further from the fp32 step than the unfused one (the last hidden state and the states'
+change, normwise), greedy tokens equal (with K split in the products too); and programmatic
 dependent launch (kernels_reslin_triton_launch.PROGRAMMATIC_LAUNCH_MAX_ROWS) changes no bit.
 """
 
@@ -75,13 +75,19 @@ def test_the_fused_step_is_not_taken_where_it_cannot_apply(reslin):
     assert not block.takes_fused_decode_step(x, None)
 
 
-def assert_close_to_scale(a, b):
-    """bf16 results of two roundings of one step: every element within 2e-2 of b's largest
-    magnitude, and the whole within 1e-2 relative (in norm). Elementwise relative error is no
-    measure here: the second layer's inputs differ by the first's rounding, and a state element
-    near zero is moved by it as much as a large one."""
-    torch.testing.assert_close(a, b, rtol=0, atol=2e-2 * float(b.abs().max()))
-    assert ((a - b).norm() / b.norm()).item() <= 1e-2
+def in_fp32(cache):
+    """A copy of a cache with its states in fp32, for an fp32 model to step from the same point."""
+    cache = copy.deepcopy(cache)
+    for states in (cache.conv_states, cache.recurrent_states):
+        for layer, held in enumerate(states):
+            if held is not None:
+                states[layer] = tuple(None if x is None else x.float() for x in held)
+    cache.side_by_side, cache.decode_graph = {}, None
+    return cache
+
+
+def relative_error(a, reference):
+    return ((a.float() - reference).norm() / reference.norm()).item()
 
 
 class TestOnGPU:
@@ -91,23 +97,33 @@ class TestOnGPU:
     @pytest.mark.parametrize("mixer_name", ["gdn", "kla", "rla", "rdn", "rkla", "sgla"])
     @pytest.mark.parametrize("batch", [1, 16])
     @torch.no_grad()
-    def test_fused_step_equals_the_unfused_one_in_bf16(self, reslin, mixer_name, batch, split, monkeypatch):
-        """`split`: the products split K where gemv_launch would (up to 16 rows)."""
+    def test_fused_step_is_as_close_to_fp32_as_the_unfused_one(self, reslin, mixer_name, batch, split, monkeypatch):
+        """One step in bf16 from the same cache, fused and unfused, against the unfused step of the
+        model in fp32 from that cache: the two bf16 paths round in different places (the fused one
+        keeps more in fp32), so neither equals the other, and the measure is their distance to
+        fp32. The fused step's normwise error, of the last hidden state and of each state's change
+        in the step, at most 1.25x the unfused step's + 1e-3, and at most 2e-2. `split`: the
+        products split K where gemv_launch would (up to 16 rows)."""
         monkeypatch.setattr(split_gemv(reslin), "SPLIT_K_MAX_ROWS", 16 if split else 0)
         model = build_model(mixer_name, hidden_size=1024, num_heads=8, head_dim=128, intermediate_size=2816,
                             num_hidden_layers=2, decode_cuda_graphs=False).to("cuda", torch.bfloat16)
         ids = torch.randint(3, 100, (batch, 33), device="cuda")
-        caches = {}
-        hidden = {}
-        for fused in (True, False):
+        prompt = cache_of(model(ids[:, :32], use_cache=True))
+        start = [x.float() for x in state_tensors(prompt)]
+        results = {}
+        for name, fused, stepping, cache in (("fused", True, model, copy.deepcopy(prompt)),
+                                             ("unfused", False, model, copy.deepcopy(prompt)),
+                                             ("fp32", False, copy.deepcopy(model).float(), in_fp32(prompt))):
             monkeypatch.setattr(reslin.modeling, "FUSED_DECODE_STEP", fused)
-            cache = cache_of(model(ids[:, :32], use_cache=True))
-            step_input = model.model.embed_tokens(ids[:, 32:])
-            assert model.model.layers[0].takes_fused_decode_step(step_input, cache) == fused
-            hidden[fused] = model.model(ids[:, 32:], cache=cache).last_hidden_state.float()
-            caches[fused] = cache
-        for a, b in zip([hidden[True], *state_tensors(caches[True])], [hidden[False], *state_tensors(caches[False])]):
-            assert_close_to_scale(a.float(), b.float())
+            step_input = stepping.model.embed_tokens(ids[:, 32:])
+            assert stepping.model.layers[0].takes_fused_decode_step(step_input, cache) == fused
+            hidden = stepping.model(ids[:, 32:], cache=cache).last_hidden_state.float()
+            results[name] = [hidden] + [x.float() - x0 for x, x0 in zip(state_tensors(cache), start)]
+        for index, (fused, unfused, reference) in enumerate(zip(results["fused"], results["unfused"], results["fp32"])):
+            fused_error, unfused_error = relative_error(fused, reference), relative_error(unfused, reference)
+            what = "the hidden state" if index == 0 else f"state tensor {index - 1}'s change"
+            assert fused_error <= min(1.25 * unfused_error + 1e-3, 2e-2), (
+                f"{what}: fused {fused_error:.2e}, unfused {unfused_error:.2e} from fp32")
 
     @pytest.mark.parametrize("split", [False, True], ids=["whole K", "split K"])
     @torch.no_grad()
