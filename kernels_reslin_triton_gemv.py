@@ -61,9 +61,9 @@ GATED_DOT_STAGES = 3  # the gated head norm's, at 16 rows: 8-11% faster than 2 (
 GATED_ONE_ROW_MAX_ROWS = 4
 GATED_ONE_ROW_BLOCK_N = 8
 # From two rows up to this many, a tl.dot product of few tiles splits K among programs where the
-# caller gives split counters (`gemv_launch`). 0: never, until a GPU run has timed it in a model's
-# step (bench_generate.py's "split" loop) and run its GPU tests.
-SPLIT_K_MAX_ROWS = 0
+# caller gives split counters (`gemv_launch`): at 16 rows of the 400M model, the step took 1,109 ->
+# 1,061 us of GPU time for gdn and 1,327 -> 1,234 for rdn (bench_generate.py's "split" loop, H100).
+SPLIT_K_MAX_ROWS = 16
 # ... and only a product of at most this many tiles: at 16 rows of the 400M shapes (bench_gemv.py
 # --split, H100) o_proj's and down's 32 tiles took 9.1 -> 5.5 and 7.4 -> 6.7 us a call split,
 # the in-projection's 129 and SwiGLU's 88 took 7.7 -> 8.7 and 9.0 -> 9.6.

@@ -226,7 +226,7 @@ def test_in_projection_with_its_convolutions_matches_the_reference(blocks, B, ke
         states = tuple(torch.randn(B, width, C - 1, dtype=dtype) for width in widths)
         initial = tuple(state.clone() for state in states)
         y = counted(gemv.rms_norm_linear, x, norm_weight, EPS, weight, convolutions=(taps, states))
-        product = gemv.rms_norm_linear(x, norm_weight, EPS, weight)
+        product = counted(gemv.rms_norm_linear, x, norm_weight, EPS, weight)  # K split as above
         expected, moved = short_convolutions(product, taps, initial)
     assert y.shape == (B, 1, N) and y.dtype == dtype
     assert rel_err(y, expected) <= tolerance
@@ -348,6 +348,7 @@ def test_benchmark_smoke_run_prints_every_row_and_the_sweep(capsys, monkeypatch)
     assert " PDL us " in out and float(re.search(r"([\d.]+)  \(1, ", out)[1]) > 0  # ours again, under PDL
     assert bench_gemv.triton_launch.PROGRAMMATIC_LAUNCH_MAX_ROWS == default  # its own setting back
     monkeypatch.setattr(bench_gemv.gemv, "DOT_BLOCK_K", 16)  # chunks of 16: the smoke shape's K of 48 in three
+    monkeypatch.setattr(bench_gemv.gemv, "SPLIT_K_MAX_ROWS", 0)  # the pick unsplit, the split column beside it
     default = bench_gemv.gemv.SPLIT_K_MAX_ROWS
     bench_gemv.main(["--smoke", "--rows", "2", "--entry-points", "linear_residual", "--split"])
     out = capsys.readouterr().out
