@@ -39,6 +39,10 @@
 #                bench_forward options in $GRAPHS_ARGS ("--rules sgla rla --shapes 8x2048", "--backward")
 #                (540). For changes that show only replayed (launch overlap, PDL): kernel_variants
 #                times kernels and eager calls.
+#   variants-command  $VARIANTS_COMMAND (any benchmark: "python3 benchmarks/bench_gemv.py --rows 16")
+#                with this tree's modules, then with each folder in scratch/variants/*/ in their place
+#                in turn (every top-level .py file a folder holds: `tools/variant.sh NAME --rev REV`
+#                copies a commit's modules, the model's with the kernels'), then this tree's again (540)
 #   gemv         benchmarks/bench_gemv.py: the fused GEMVs beside the unfused step's kernels, replayed; more
 #                options in $GEMV_ARGS ("--pdl", "--split", "--sweep": ~150-300 s) (540)
 #   decode       benchmarks/bench_decode.py: our decode step beside FLA's and FlashInfer's, those that import;
@@ -97,7 +101,7 @@ job() {  # job NAME LIMIT COMMAND...
 
 for name in "$@"; do  # every name checked before any job runs
   case $name in
-    tests|tests-kernels|tests-graphs|tests-others|tests-generation|suite|layers|convert|forward|backward|forward-graphs|backward-graphs|kernels|variants|variants-forward|variants-graphs|gemv|decode|generate|generate-1.3b|training|compile|prefill|context|ddp|compare|residual-clip) ;;
+    tests|tests-kernels|tests-graphs|tests-others|tests-generation|suite|layers|convert|forward|backward|forward-graphs|backward-graphs|kernels|variants|variants-forward|variants-graphs|variants-command|gemv|decode|generate|generate-1.3b|training|compile|prefill|context|ddp|compare|residual-clip) ;;
     *) echo "unknown job $name" >&2; exit 2 ;;
   esac
 done
@@ -140,19 +144,25 @@ for name in "$@"; do
       warm_copies "'"$passes"' --shapes 1x256" "${files[@]}"
       python3 benchmarks/kernel_variants.py '"$passes"' ${VARIANTS_ARGS:-} --variant main=. \
         $(for file in "${files[@]}"; do echo --variant "$(basename "$file")=$file"; done)' ;;
-    variants-graphs) job variants-graphs 540 bash -c '
+    variants-graphs|variants-command)
+      if [ "$name" = variants-graphs ]; then
+        command="python3 benchmarks/bench_forward.py --graphs ${GRAPHS_ARGS:-}"
+      else
+        command=${VARIANTS_COMMAND:?"variants-command runs \$VARIANTS_COMMAND"}
+      fi
+      job "$name" 540 bash -c '
       files=(scratch/variants/*/)
       [ -e "${files[0]}" ] || { echo "no scratch/variants/*/"; exit 2; }
       main=$(mktemp -d)
-      cp kernels_reslin_triton*.py "$main"
+      cp *.py "$main"
       trap "rm -f kernels_reslin_triton*.py; cp \"$main\"/*.py ." EXIT
-      warm_copies "--shapes 8x256 2x256 --heads 16" "$main" "${files[@]}"
+      [ "'"$name"'" = variants-graphs ] && warm_copies "--shapes 8x256 2x256 --heads 16" "$main" "${files[@]}"
       for file in "$main" "${files[@]}" "$main"; do
         name=$(basename "$file")
         [ "$file" = "$main" ] && name=main
-        rm -f kernels_reslin_triton*.py; cp "$main"/*.py .; cp "$file"/kernels_reslin_triton*.py .
+        rm -f kernels_reslin_triton*.py; cp "$main"/*.py .; cp "$file"/*.py .
         echo "== $name"
-        python3 benchmarks/bench_forward.py --graphs ${GRAPHS_ARGS:-}
+        '"$command"'
       done' ;;
     gemv) job gemv 540 python3 benchmarks/bench_gemv.py ${GEMV_ARGS:-} ;;
     decode) job decode 240 python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} ;;
