@@ -6,7 +6,10 @@ graph sees it: CALLS calls captured in one graph, the graph replayed, the time d
 calls, so that launch gaps count and the host's time does not. The unfused path is what
 modeling_reslin runs at a decode step: the fused rms_norm kernel (with its projections for the
 MLP and the gated output norm), F.linear, the SwiGLU kernel, the residual add; the in-projection's
-weights side by side, as the cache keeps them (`ResLinCache.side_by_side_weight`). Beside the times:
+weights side by side, as the cache keeps them (`ResLinCache.side_by_side_weight`), its q, k and v
+through their short convolutions of 4 taps with their windows moved along (ours in the product's
+epilogue; unfused, the three `short_convolution` kernels, here without their L2 norm of q and k,
+which the fused step forms in the decode kernel). Beside the times:
 the weight bytes read per call over the time (GB/s, the roofline being the H200's ~4.3 TB/s), the
 ratio ours / unfused, and ours' relative error against the unfused output (bf16: ~1e-3 or less,
 the two rounding at the same points).
@@ -38,6 +41,7 @@ import kernels_reslin_triton_launch as triton_launch
 import kernels_reslin_triton_layers as layers
 
 EPS = 1e-6
+CONV_TAPS = 4
 # (hidden, heads of 128, SwiGLU width): the in-projection's rows are q, k, v and g of the hidden
 # width and a, b and gamma of one value a head.
 SHAPES = {"400M": (1024, 8, 2816), "1.3B": (2048, 16, 5632), "smoke": (32, 2, 48)}
@@ -80,10 +84,15 @@ def calls(name, rows, K, N, weights, head_dim, weight_bytes):
                                           weight_bytes)
     heads = (rows, 1, K // head_dim, head_dim) if head_dim else None
     counters = torch.zeros(1024, dtype=torch.int32, device=DEVICE)  # as a model's cache gives them
+    # The in-projection's q, k and v, each of the hidden width K: their taps, and windows for each path.
+    taps = [randn(K, 1, CONV_TAPS, scale=0.5) for _ in range(3)]
+    windows = [randn(rows, K, CONV_TAPS - 1) for _ in range(3)]
+    our_windows, unfused_windows = [w.clone() for w in windows], [w.clone() for w in windows]
 
     def ours(w):
         if name == "rms_norm_linear":
-            return gemv.rms_norm_linear(x, norm_weight, EPS, *w, split_counters=counters)
+            return gemv.rms_norm_linear(x, norm_weight, EPS, *w, convolutions=(taps, our_windows),
+                                        split_counters=counters)
         if name == "rms_norm_swiglu":
             return gemv.rms_norm_swiglu(x, norm_weight, EPS, *w, split_counters=counters)
         if name == "gated_rms_norm_linear":
@@ -93,7 +102,10 @@ def calls(name, rows, K, N, weights, head_dim, weight_bytes):
 
     def unfused(w):
         if name == "rms_norm_linear":
-            return F.linear(layers.rms_norm(x, norm_weight, EPS), *w)
+            y = F.linear(layers.rms_norm(x, norm_weight, EPS), *w)
+            convolved = [layers.short_convolution(y[..., i * K:(i + 1) * K], tap, window, update_state=True)
+                         for i, (tap, window) in enumerate(zip(taps, unfused_windows))]
+            return torch.cat([*convolved, y[..., 3 * K:]], dim=-1)
         if name == "rms_norm_swiglu":
             return layers.swiglu(*layers.rms_norm(x, norm_weight, EPS, projections=w)).view(rows, 1, N)
         if name == "gated_rms_norm_linear":  # ResLinGatedRMSNorm with o_proj as its projection, the residual add
