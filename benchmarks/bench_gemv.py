@@ -125,8 +125,9 @@ def sweep_tiles(rows, N, K_span, group_block, weights):
     """Launch tiles to try besides gemv_launch's: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages,
     swap_ab, splits). From two rows on, the one-row tiles too, a program a row (the weight read
     once from memory, and from L2 for the other rows), tl.dot tiles of K in one or two chunks
-    (loaded in one round, as a row's), the transposed product (swap_ab) with wide
-    weight tiles, and K split in 2, 4 or 8 where it has that many chunks."""
+    (loaded in one round, as a row's) or in short chunks 6 or 8 stages deep, the transposed
+    product (swap_ab) with wide weight tiles, and K split in 2, 4 or 8 where it has that many
+    chunks."""
     K_block = max(16, 1 << (K_span - 1).bit_length())
     tiles = [(1, n, k, w, 1, False, 1) for n in (1, 2, 4, 8) for k in (512, 1024, 2048, 4096) for w in (4, 8)
              if k <= K_block and n * k * weights <= 16384]
@@ -135,6 +136,8 @@ def sweep_tiles(rows, N, K_span, group_block, weights):
                   if k <= K_block and n * k * weights <= 8192]
         tiles += [(16, n, k, w, s, False, 1) for n in (16, 32) for k in (512, 1024, 2048) for w in (4, 8)
                   for s in (1, 2) if k <= K_block and 8192 < n * k * weights <= 32768]  # K in one or two rounds
+        tiles += [(16, n, k, 4, s, False, 1) for n in (16, 32) for k in (64, 128) for s in (6, 8)
+                  if k <= K_block and n * k * weights <= 8192]  # most of K in flight through shared memory
         tiles += [(16, n, k, 4, s, True, 1) for n in (64, 128) for k in (32, 64, 128) for s in (3, 4, 6)
                   if k <= K_block and n * k * weights <= 16384]
         tiles += [(16, n, k, 4, s, False, p) for n in (16, 32, 64) for k in (64, 128, 256) for s in (3, 4)
