@@ -86,8 +86,8 @@ def calls(name, rows, K, N, weights, head_dim, weight_bytes):
     counters = torch.zeros(1024, dtype=torch.int32, device=DEVICE)  # as a model's cache gives them
     # The in-projection's q, k and v, each of the hidden width K: their taps, and windows for each path.
     taps = [randn(K, 1, CONV_TAPS, scale=0.5) for _ in range(3)]
-    windows = [randn(rows, K, CONV_TAPS - 1) for _ in range(3)]
-    our_windows, unfused_windows = [w.clone() for w in windows], [w.clone() for w in windows]
+    our_windows = [randn(rows, K, CONV_TAPS - 1) for _ in range(3)]
+    unfused_windows = [w.clone() for w in our_windows]
 
     def ours(w):
         if name == "rms_norm_linear":

@@ -19,6 +19,7 @@ import torch
 from conftest import MIXERS, build_model
 from test_cuda_graphs import state_tensors
 from test_generate import cache_of
+from test_kernels import rel_err
 
 LINEAR_MIXERS = [name for name, fields in MIXERS.items() if "layer_types" not in fields]
 
@@ -86,10 +87,6 @@ def in_fp32(cache):
     return cache
 
 
-def relative_error(a, reference):
-    return ((a.float() - reference).norm() / reference.norm()).item()
-
-
 class TestOnGPU:
     pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -120,7 +117,7 @@ class TestOnGPU:
             hidden = stepping.model(ids[:, 32:], cache=cache).last_hidden_state.float()
             results[name] = [hidden] + [x.float() - x0 for x, x0 in zip(state_tensors(cache), start)]
         for index, (fused, unfused, reference) in enumerate(zip(results["fused"], results["unfused"], results["fp32"])):
-            fused_error, unfused_error = relative_error(fused, reference), relative_error(unfused, reference)
+            fused_error, unfused_error = rel_err(fused, reference), rel_err(unfused, reference)
             what = "the hidden state" if index == 0 else f"state tensor {index - 1}'s change"
             assert fused_error <= min(1.25 * unfused_error + 1e-3, 2e-2), (
                 f"{what}: fused {fused_error:.2e}, unfused {unfused_error:.2e} from fp32")
