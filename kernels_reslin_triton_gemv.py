@@ -259,37 +259,35 @@ def _convolve_outputs(y, rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr
     column_ok = channel < width
     in_q, in_k, in_v = column_ok & (segment == 0), column_ok & (segment == 1), column_ok & (segment == 2)
     taps_offsets = channel * K
-    pre = y * _segment_load(q_taps_ptr, k_taps_ptr, v_taps_ptr, taps_offsets + K - 1, in_q, in_k, in_v)
+    convolved = in_q | in_k | in_v
+    pre = y * tl.load(_segment(q_taps_ptr, k_taps_ptr, taps_offsets + K - 1, in_q, in_k, v_taps_ptr), mask=convolved,
+                      other=0.0)
     slots = tl.arange(0, SLOTS)  # SLOTS: K - 1 as a power of two
     slot_ok = slots < K - 1
     state_offsets = ((rows.to(tl.int64)[:, None] * width[None, :] + channel[None, :]) * (K - 1))[:, :, None] + \
         slots[None, None, :]
     owned = y_ok[:, :, None] & slot_ok[None, None, :]
-    window = _segment_load(q_state_ptr, k_state_ptr, v_state_ptr, state_offsets,
-                           owned & in_q[None, :, None], owned & in_k[None, :, None], owned & in_v[None, :, None])
-    taps = _segment_load(q_taps_ptr, k_taps_ptr, v_taps_ptr, taps_offsets[:, None] + slots[None, :],
-                         in_q[:, None] & slot_ok[None, :], in_k[:, None] & slot_ok[None, :],
-                         in_v[:, None] & slot_ok[None, :])
+    owned &= convolved[None, :, None]
+    states = _segment(q_state_ptr, k_state_ptr, state_offsets, in_q[None, :, None], in_k[None, :, None], v_state_ptr)
+    window = tl.load(states, mask=owned, other=0.0)
+    taps = tl.load(_segment(q_taps_ptr, k_taps_ptr, taps_offsets[:, None] + slots[None, :], in_q[:, None],
+                            in_k[:, None], v_taps_ptr), mask=convolved[:, None] & slot_ok[None, :], other=0.0)
     pre += tl.sum(window.to(tl.float32) * taps.to(tl.float32)[None, :, :], axis=2)
     # The new state: slot j holds the window's input j + 1, the last slot this token's y.
     moved = (slots + 1 < K - 1)[None, None, :]
-    shifted = _segment_load(q_state_ptr, k_state_ptr, v_state_ptr, state_offsets + 1, owned & moved & in_q[None, :, None],
-                            owned & moved & in_k[None, :, None], owned & moved & in_v[None, :, None])
+    shifted = tl.load(states + 1, mask=owned & moved, other=0.0)
     shifted = tl.where(moved, shifted, y[:, :, None].to(shifted.dtype))
     # Every read of the old states before the first write: a small tile is held by several threads.
     tl.debug_barrier()
-    tl.store(q_state_ptr + state_offsets, shifted, mask=owned & in_q[None, :, None])
-    tl.store(k_state_ptr + state_offsets, shifted, mask=owned & in_k[None, :, None])
-    tl.store(v_state_ptr + state_offsets, shifted, mask=owned & in_v[None, :, None])
-    convolved = (in_q | in_k | in_v)[None, :]
-    return tl.where(convolved, pre * tl.sigmoid(pre), y)
+    tl.store(states, shifted, mask=owned)
+    return tl.where(convolved[None, :], pre * tl.sigmoid(pre), y)
 
 
 @triton.jit
-def _segment_load(q_ptr, k_ptr, v_ptr, offsets, in_q, in_k, in_v):
-    """The element at `offsets` of whichever of the three tensors its (disjoint) mask names, else 0."""
-    return (tl.load(q_ptr + offsets, mask=in_q, other=0.0) + tl.load(k_ptr + offsets, mask=in_k, other=0.0)
-            + tl.load(v_ptr + offsets, mask=in_v, other=0.0))
+def _segment(q_ptr, k_ptr, offsets, in_q, in_k, v_ptr):
+    """Pointers to the element at `offsets` of q, k or v, as the (disjoint) masks name it (v where
+    neither does): one load or store for the three tensors."""
+    return tl.where(in_q, q_ptr, tl.where(in_k, k_ptr, v_ptr)) + offsets
 
 
 @triton.jit
