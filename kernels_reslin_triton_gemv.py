@@ -13,10 +13,11 @@ model's weights take ~7 us a layer to read. Each entry point here is one launch:
                                                             residual + gated_head_norm(o, gate) @ weight.T
     linear_residual(x, weight, residual)                    residual + x @ weight.T
 
-They round where the unfused path rounds (modeling_reslin with kernels_reslin_triton_layers), so
-that a fused step stays within the unfused one's own rounding: the normed input in x's dtype (the
-norm computed in fp32, its weight applied in fp32, then cast, as `rms_norm` stores it), the
-product accumulated in fp32 and cast to x's dtype (as F.linear returns it), SwiGLU as
+They round as often as the unfused path (modeling_reslin with kernels_reslin_triton_layers), so
+that a fused step stays within the unfused one's own rounding: the product's input once in x's
+dtype (the gated head norm as `rms_norm` with a gate stores it; the row norm's weight times x, its 1/rms
+applied to the fp32 product, since it factors out of it, where `rms_norm` casts the normed row),
+the product accumulated in fp32 and cast to x's dtype (as F.linear returns it), SwiGLU as
 `kernels_reslin_triton_layers.swiglu` forms it from those two cast products (silu(gate) * up in
 fp32, cast once), the residual added to the cast product in fp32 and cast once (a tensor add of
 two tensors of x's dtype). Forward only: the model calls them where autograd is off.
@@ -84,7 +85,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     """y [M, N] = epilogue(normed(x) @ weight.T) for the rows of a BLOCK_M tile and the outputs of
     a BLOCK_N tile, the weight's rows streamed over K in BLOCK_K chunks.
 
-    NORM: "none"; "row", the RMS norm over the whole row (a first pass over x sums the squares);
+    NORM: "none"; "row", the RMS norm over the whole row (its 1/rms applied to the product, below);
     "gated_heads", the RMS norm of each group of GROUP channels (a head) times silu(gate), formed in
     each chunk, which holds whole heads. K is walked as K_SPAN padded positions, GROUP_BLOCK (a
     power of two) a group, of which the first GROUP are channels: a head of 48 channels takes 64
@@ -125,14 +126,17 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
                                                       out_ok[:, None] & col_ok[None, :], SWIGLU)
     _wait_for_previous_kernel(PDL)
 
-    if NORM == "row":
-        squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    # The row norm's 1/rms is one number a row: it factors out of the product, and its squares are
+    # summed from the chunks the product loads anyway, so that no pass over x comes before the
+    # weights' loads. A split program sees only its span of K: it sums the whole row's squares first.
+    row_squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    if NORM == "row" and SPLIT:
         for start in range(0, K, BLOCK_K):
             cols = start + positions
             x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
             x = x.to(tl.float32)
-            squares += x * x
-        row_rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps)
+            row_squares += x * x
+        row_rstd = 1.0 / tl.sqrt(tl.sum(row_squares, axis=1) / K + eps)
 
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -156,7 +160,12 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
         x = tl.load(x_rows + cols[None, :], mask=x_ok, other=0.0)
         if NORM == "row":
             norm_weight = tl.load(norm_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * row_rstd[:, None] * norm_weight[None, :]).to(x_ptr.dtype.element_ty)
+            x = x.to(tl.float32)
+            if SPLIT:
+                x = x * row_rstd[:, None]
+            else:
+                row_squares += x * x
+            x = (x * norm_weight[None, :]).to(x_ptr.dtype.element_ty)
         elif NORM == "gated_heads":
             x = x.to(tl.float32)
             squares = tl.reshape(x * x, [BLOCK_M, BLOCK_K // GROUP_BLOCK, GROUP_BLOCK])
@@ -195,6 +204,10 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     elif SWAP_AB:
         acc = tl.trans(acc)
         up_acc = tl.trans(up_acc)
+    if NORM == "row" and not SPLIT:
+        row_rstd = 1.0 / tl.sqrt(tl.sum(row_squares, axis=1) / K + eps)
+        acc *= row_rstd[:, None]
+        up_acc *= row_rstd[:, None]
     y_ok = row_ok[:, None] & out_ok[None, :]
     if SPLIT:
         acc, up_acc, last = _split_sums(acc, up_acc, rows, outs, y_ok, M, N, partials_ptr, counters_ptr, SPLITS, SWIGLU)
