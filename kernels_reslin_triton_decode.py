@@ -24,16 +24,22 @@ except ImportError:
                                               _wait_for_previous_kernel, programmatic_launch, tl, triton)
     from kernels_reslin_triton_layers import L2_EPS, MAX_L2_HEAD_SIZE
 
+# Warps a decode program: a state tile of 128 x 32 fp32 is 32 registers a thread on 4 warps, and
+# with R beside S ptxas spilled 148-204 bytes there at 255 registers (tools/compile_for_gpu.py
+# --registers); on 8 warps nothing.
+DECODE_WARPS = 4
+
 
 @_Launcher
 @triton.jit
 def _projected_decode_step_kernel(projected_ptr, A_log_ptr, dt_bias_ptr, S_ptr, R_ptr, o_ptr, row_stride, scale,
                                   clip, l2_eps, kaczmarz_eps, H, HV, GROUP, DK, DV,
                                   BK: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr, RESIDUAL: tl.constexpr,
-                                  KACZMARZ: tl.constexpr, PDL: tl.constexpr):
+                                  KACZMARZ: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """`_decode_step_kernel`'s program on one token's projections as the in-projection with its
-    short convolutions leaves them (`projected_decode_step`), forming the step's inputs itself."""
-    _wait_for_previous_kernel(PDL)
+    short convolutions leaves them (`projected_decode_step`), forming the step's inputs itself.
+    PRELOAD (under PDL): the state tiles are loaded before the wait for the previous kernel, which
+    then must not be what wrote them."""
     seq_head = tl.program_id(0)                    # n * HV + value head
     head = seq_head % HV
     key_head = head // GROUP
@@ -41,6 +47,13 @@ def _projected_decode_step_kernel(projected_ptr, A_log_ptr, dt_bias_ptr, S_ptr, 
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
     rows = tl.arange(0, BK)
     row_ok, col_ok = rows < DK, cols < DV
+    if PRELOAD:
+        S, R, state_offsets, state_ok = _state_tiles(S_ptr, R_ptr, seq_head, rows, cols, row_ok, col_ok, DK, DV,
+                                                     RESIDUAL)
+    _wait_for_previous_kernel(PDL)
+    if not PRELOAD:
+        S, R, state_offsets, state_ok = _state_tiles(S_ptr, R_ptr, seq_head, rows, cols, row_ok, col_ok, DK, DV,
+                                                     RESIDUAL)
 
     q = tl.load(row + key_head * DK + rows, mask=row_ok, other=0.0).to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q, axis=0) + l2_eps)
@@ -63,14 +76,14 @@ def _projected_decode_step_kernel(projected_ptr, A_log_ptr, dt_bias_ptr, S_ptr, 
         denominator = tl.sum(k * k, axis=0) + kaczmarz_eps  # of k as stored, in the projection's dtype
         beta = beta / denominator
         gamma_write = gamma_write / denominator
-    o = _advance_states(q, k, v, decay, beta, gamma, gamma_write, S_ptr, R_ptr, seq_head, rows, cols, row_ok, col_ok,
-                        clip, DK, DV, DELTA, RESIDUAL)
+    o = _advance_states(q, k, v, decay, beta, gamma, gamma_write, S, R, S_ptr, R_ptr, state_offsets, state_ok, clip,
+                        DELTA, RESIDUAL)
     tl.store(o_ptr + seq_head * DV + cols, (scale * o).to(o_ptr.dtype.element_ty), mask=col_ok)
 
 
 @_on_inputs_device
 def projected_decode_step(projected, A_log, dt_bias, S, R, *, num_heads, head_dim, num_v_heads, head_v_dim, update,
-                          clip, kaczmarz, kaczmarz_eps):
+                          clip, kaczmarz, kaczmarz_eps, states_just_written=True):
     """One token of a linear attention layer from its projections, advancing S and R in place:
     `decode_step` with its inputs formed here, as ResLinLinearAttention forms them.
 
@@ -82,16 +95,21 @@ def projected_decode_step(projected, A_log, dt_bias, S, R, *, num_heads, head_di
     -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), gamma = sigmoid(c); with `kaczmarz`
     beta and the residual write divided by ||k||^2 + kaczmarz_eps. S, R [B, HV, Dk, Dv] fp32
     contiguous (R None without the residual state). Returns o [B, 1, HV, Dv] in projected's dtype,
-    scaled by Dk ** -0.5. No gradients: the states are overwritten."""
+    scaled by Dk ** -0.5. No gradients: the states are overwritten.
+
+    `states_just_written`: whether the kernel launched just before on this stream may have written S
+    or R. Where it did not (the model's step: its in-projection), pass False, and under
+    programmatic dependent launch the state tiles load while that kernel still runs."""
     H, Dk, HV, Dv = num_heads, head_dim, num_v_heads, head_v_dim
     B = _check_projected(projected, A_log, dt_bias, S, R, H, Dk, HV, Dv)
     o = projected.new_empty(B, 1, HV, Dv)
     BK, BV = _state_tile(Dk, Dv)
     residual = R is not None
+    pdl = programmatic_launch(projected)
     _projected_decode_step_kernel[(B * HV, _cdiv(Dv, BV))](
         projected, A_log, dt_bias, S, R if residual else S, o, projected.stride(0), Dk ** -0.5, float(clip), L2_EPS,
         float(kaczmarz_eps), H, HV, HV // H, Dk, Dv, BK=BK, BV=BV, DELTA=update == "delta", RESIDUAL=residual,
-        KACZMARZ=kaczmarz, **programmatic_launch(projected))
+        KACZMARZ=kaczmarz, PRELOAD=pdl["PDL"] and not states_just_written, **pdl, num_warps=DECODE_WARPS)
     return o
 
 
@@ -156,22 +174,32 @@ def _decode_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, gamma_w
     if RESIDUAL:
         gamma = tl.load(gamma_ptr + seq_head).to(tl.float32)
         gamma_write = tl.load(gamma_write_ptr + seq_head).to(tl.float32)
-    o = _advance_states(q, k, v, decay, beta, gamma, gamma_write, S_ptr, R_ptr, seq_head, rows, cols, row_ok, col_ok,
-                        clip, DK, DV, DELTA, RESIDUAL)
+    S, R, state_offsets, state_ok = _state_tiles(S_ptr, R_ptr, seq_head, rows, cols, row_ok, col_ok, DK, DV, RESIDUAL)
+    o = _advance_states(q, k, v, decay, beta, gamma, gamma_write, S, R, S_ptr, R_ptr, state_offsets, state_ok, clip,
+                        DELTA, RESIDUAL)
     tl.store(o_ptr + seq_head * DV + cols, (scale * o).to(o_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
-def _advance_states(q, k, v, decay, beta, gamma, gamma_write, S_ptr, R_ptr, seq_head, rows, cols, row_ok, col_ok,
-                    clip, DK, DV, DELTA: tl.constexpr, RESIDUAL: tl.constexpr):
-    """One token of every rule (DESIGN.md section 1) on the state tile [Dk rows, cols] of one
-    (sequence, value head) pair, in fp32: S (and R) advanced in place; returns the tile's output
-    columns, unscaled."""
+def _state_tiles(S_ptr, R_ptr, seq_head, rows, cols, row_ok, col_ok, DK, DV, RESIDUAL: tl.constexpr):
+    """(S, R, their offsets, their mask): the state tile [Dk rows, cols] of one (sequence, value
+    head) pair, in fp32 (R is S's again without RESIDUAL, unused)."""
     state_ok = row_ok[:, None] & col_ok[None, :]
     state_offsets = seq_head.to(tl.int64) * DK * DV + rows[:, None] * DV + cols[None, :]
     S = tl.load(S_ptr + state_offsets, mask=state_ok, other=0.0)
+    R = S
     if RESIDUAL:
         R = tl.load(R_ptr + state_offsets, mask=state_ok, other=0.0)
+    return S, R, state_offsets, state_ok
+
+
+@triton.jit
+def _advance_states(q, k, v, decay, beta, gamma, gamma_write, S, R, S_ptr, R_ptr, state_offsets, state_ok, clip,
+                    DELTA: tl.constexpr, RESIDUAL: tl.constexpr):
+    """One token of every rule (DESIGN.md section 1) on the state tiles S and R (`_state_tiles`) of
+    one (sequence, value head) pair, in fp32: S (and R) advanced in place; returns the tile's
+    output columns, unscaled."""
+    if RESIDUAL:
         # The residual reads the OLD base state S_{t-1}: not decayed, not yet written.
         residual = v - tl.sum(S * k[:, None], axis=0)
         residual = tl.minimum(tl.maximum(residual, -clip), clip)
@@ -212,6 +240,6 @@ def decode_step(q, k, v, g, beta, gamma, gamma_write, S, R, update, clip, scale)
     _decode_step_kernel[grid](
         q, k, v, g, beta, gamma if residual else g, gamma_write if residual else g,
         S, R if residual else S, o, scale, clip, HV, HV // H, Dk, Dv,
-        BK=BK, BV=BV, DELTA=update == "delta", RESIDUAL=residual, **programmatic_launch(q),
+        BK=BK, BV=BV, DELTA=update == "delta", RESIDUAL=residual, **programmatic_launch(q), num_warps=DECODE_WARPS,
     )
     return o

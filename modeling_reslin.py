@@ -280,7 +280,8 @@ class ResLinLinearAttention(nn.Module):
         o = projected_decode_step(projected, self.A_log, self.dt_bias, S, R, num_heads=self.num_heads,
                                   head_dim=self.head_dim, num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim,
                                   update=self.update_rule, clip=self.residual_clip,
-                                  kaczmarz=self.step_rule == "kaczmarz", kaczmarz_eps=self.kaczmarz_eps)
+                                  kaczmarz=self.step_rule == "kaczmarz", kaczmarz_eps=self.kaczmarz_eps,
+                                  states_just_written=False)
         gate = projected[..., projected.shape[-1] - self.g_proj.out_features:]
         return gated_rms_norm_linear(o.flatten(-2), gate, self.o_norm.weight, self.o_norm.eps, self.head_v_dim,
                                      self.o_proj.weight, x, split_counters=counters)

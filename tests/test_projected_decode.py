@@ -55,7 +55,7 @@ def random_states(layer, B, dtype=torch.float32, device="cpu"):
     return conv, (S, 0.1 * torch.randn(shape, device=device) if layer.use_residual else None)
 
 
-def kernel_step(layer, norm, x, states):
+def kernel_step(layer, norm, x, states, states_just_written=True):
     """The fused step's attention part, advancing `states` in place: the decode output o."""
     conv_states, (S, R) = states
     weight = torch.cat([p.weight for p in layer.projections()])
@@ -64,7 +64,8 @@ def kernel_step(layer, norm, x, states):
     return decode.projected_decode_step(
         projected, layer.A_log, layer.dt_bias, S, R, num_heads=layer.num_heads, head_dim=layer.head_dim,
         num_v_heads=layer.num_v_heads, head_v_dim=layer.head_v_dim, update=layer.update_rule,
-        clip=layer.residual_clip, kaczmarz=layer.step_rule == "kaczmarz", kaczmarz_eps=layer.kaczmarz_eps)
+        clip=layer.residual_clip, kaczmarz=layer.step_rule == "kaczmarz", kaczmarz_eps=layer.kaczmarz_eps,
+        states_just_written=states_just_written)
 
 
 def layer_step(reslin, monkeypatch, layer, norm, x, states):
@@ -192,11 +193,14 @@ def test_the_kernels_check_their_arguments(reslin):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("preload", [False, True], ids=["states after the wait", "states before it"])
 @pytest.mark.parametrize("B", [1, 4, 16])
 @pytest.mark.parametrize("rule", RULES)
-def test_the_fused_attention_step_in_bf16_at_real_sizes(reslin, monkeypatch, rule, B):
+def test_the_fused_attention_step_in_bf16_at_real_sizes(reslin, monkeypatch, rule, B, preload):
     """A 400M model's layer (hidden 1024, 8 heads of 128), two steps, against the layer in fp32 on
-    the CPU fed the same bf16 inputs and states (tolerances in the module docstring)."""
+    the CPU fed the same bf16 inputs and states (tolerances in the module docstring). `preload`:
+    states_just_written=False, as the model's step passes it (under PDL, up to 4 rows, the states
+    load before the wait for the in-projection)."""
     layer, norm = make_layer(reslin, rule, 8, 8, 128, 128, 4, hidden_size=1024)
     layer, norm = layer.to("cuda", torch.bfloat16), norm.to("cuda", torch.bfloat16)
     reference_layer, reference_norm = copy.deepcopy(layer).float().cpu(), copy.deepcopy(norm).float().cpu()
@@ -205,7 +209,7 @@ def test_the_fused_attention_step_in_bf16_at_real_sizes(reslin, monkeypatch, rul
         for x in 2 * torch.randn(2, B, 1, 1024, device="cuda", dtype=torch.bfloat16):
             reference = ((tuple(s.float().cpu() for s in states[0])),
                          tuple(None if s is None else s.cpu() for s in states[1]))
-            o = kernel_step(layer, norm, x, states)
+            o = kernel_step(layer, norm, x, states, states_just_written=not preload)
             expected = layer_step(reslin, monkeypatch, reference_layer, reference_norm, x.float().cpu(), reference)
             assert rel_err(o.float().cpu(), expected) <= 2e-2
             for got, want in zip(state_list(states), state_list(reference)):
