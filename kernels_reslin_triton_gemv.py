@@ -129,14 +129,14 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     # The row norm's 1/rms is one number a row: it factors out of the product, and its squares are
     # summed from the chunks the product loads anyway, so that no pass over x comes before the
     # weights' loads. A split program sees only its span of K: it sums the whole row's squares first.
-    row_squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    row_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM == "row" and SPLIT:
         for start in range(0, K, BLOCK_K):
             cols = start + positions
             x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
             x = x.to(tl.float32)
-            row_squares += x * x
-        row_rstd = 1.0 / tl.sqrt(tl.sum(row_squares, axis=1) / K + eps)
+            row_squares += tl.sum(x * x, axis=1)
+        row_rstd = 1.0 / tl.sqrt(row_squares / K + eps)
 
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -164,7 +164,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
             if SPLIT:
                 x = x * row_rstd[:, None]
             else:
-                row_squares += x * x
+                row_squares += tl.sum(x * x, axis=1)
             x = (x * norm_weight[None, :]).to(x_ptr.dtype.element_ty)
         elif NORM == "gated_heads":
             x = x.to(tl.float32)
@@ -205,7 +205,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
         acc = tl.trans(acc)
         up_acc = tl.trans(up_acc)
     if NORM == "row" and not SPLIT:
-        row_rstd = 1.0 / tl.sqrt(tl.sum(row_squares, axis=1) / K + eps)
+        row_rstd = 1.0 / tl.sqrt(row_squares / K + eps)
         acc *= row_rstd[:, None]
         up_acc *= row_rstd[:, None]
     y_ok = row_ok[:, None] & out_ok[None, :]
