@@ -6,6 +6,7 @@ distribution (a chi-square test, on the GPU through the CUDA graph as well).
 """
 
 import math
+import sys
 
 import pytest
 import torch
@@ -329,3 +330,16 @@ class TestOnGPU:
         assert torch.equal(fast.sequences, slow.sequences)
         for a, b in zip(state_tensors(cache_of(fast)), state_tensors(cache_of(slow))):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@torch.no_grad()
+def test_the_step_embeds_as_the_embedding_module_does(reslin):
+    """The own loop's step indexes a plain nn.Embedding's weight, and calls any other embedding (a
+    hooked one, PEFT's wrapper, one with max_norm) as the module: the same rows either way."""
+    generation = sys.modules[reslin.modeling.DeviceDecoding.__module__]
+    embedding = torch.nn.Embedding(50, 8)
+    token = torch.randint(0, 50, (3, 1))
+    assert torch.equal(generation.embed(embedding, token), embedding(token))
+    calls = []
+    embedding.register_forward_hook(lambda *args: calls.append(1))
+    assert torch.equal(generation.embed(embedding, token), embedding.weight[token]) and len(calls) == 1
