@@ -126,6 +126,16 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
                                                       out_ok[:, None] & col_ok[None, :], SWIGLU)
     _wait_for_previous_kernel(PDL)
 
+    # What the epilogue reads besides the product is loaded before the K loop, so that its
+    # latency passes under the weights' stream rather than after it.
+    y_ok = row_ok[:, None] & out_ok[None, :]
+    if RESIDUAL:
+        residual = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * residual_stride + outs[None, :], mask=y_ok,
+                           other=0.0).to(tl.float32)
+    if CONV_SIZE:
+        last_taps, window_sums, shifted = _convolution_loads(rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr,
+                                                             q_taps_ptr, k_taps_ptr, v_taps_ptr, KEY_WIDTH,
+                                                             VALUE_WIDTH, CONV_SIZE, CONV_SLOTS)
     # The row norm's 1/rms is one number a row: it factors out of the product, and its squares are
     # summed from the chunks the product loads anyway, so that no pass over x comes before the
     # weights' loads. A split program sees only its span of K: it sums the whole row's squares first.
@@ -208,7 +218,6 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
         row_rstd = 1.0 / tl.sqrt(row_squares / K + eps)
         acc *= row_rstd[:, None]
         up_acc *= row_rstd[:, None]
-    y_ok = row_ok[:, None] & out_ok[None, :]
     if SPLIT:
         acc, up_acc, last = _split_sums(acc, up_acc, rows, outs, y_ok, M, N, partials_ptr, counters_ptr, SPLITS, SWIGLU)
         y_ok &= last  # the others wrote their partial sums only
@@ -218,11 +227,10 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
         up = up_acc.to(y_ptr.dtype.element_ty).to(tl.float32)
         y = y * tl.sigmoid(y) * up
     if CONV_SIZE:
-        y = _convolve_outputs(y, rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr, q_taps_ptr, k_taps_ptr,
-                              v_taps_ptr, KEY_WIDTH, VALUE_WIDTH, CONV_SIZE, CONV_SLOTS)
+        y = _convolve_outputs(y, last_taps, window_sums, shifted, rows, outs, y_ok, q_state_ptr, k_state_ptr,
+                              v_state_ptr, KEY_WIDTH, VALUE_WIDTH, CONV_SIZE, CONV_SLOTS)
     if RESIDUAL:
-        y += tl.load(residual_ptr + rows.to(tl.int64)[:, None] * residual_stride + outs[None, :], mask=y_ok,
-                     other=0.0).to(tl.float32)
+        y += residual
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + outs[None, :], y.to(y_ptr.dtype.element_ty), mask=y_ok)
 
 
@@ -259,40 +267,63 @@ def _split_sums(acc, up_acc, rows, outs, y_ok, M, N, partials_ptr, counters_ptr,
 
 
 @triton.jit
-def _convolve_outputs(y, rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr, q_taps_ptr, k_taps_ptr, v_taps_ptr,
-                      KEY_WIDTH, VALUE_WIDTH, K: tl.constexpr, SLOTS: tl.constexpr):
-    """y [rows, outs] (fp32, rounded to the output's dtype) with its q, k and v columns (q | k | v:
-    KEY_WIDTH, KEY_WIDTH and VALUE_WIDTH channels from column 0) through their short convolutions,
-    as ResLinShortConvolution runs them: silu(the taps [channels, K] times the window [state, y])
-    summed in fp32. Each channel's state [rows, channels, K - 1] then moves along by y, in place. A
-    program owns its outputs' channels: no other program reads the states it writes."""
+def _convolution_windows(rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr, KEY_WIDTH, VALUE_WIDTH,
+                         K: tl.constexpr, SLOTS: tl.constexpr):
+    """For the outputs [rows, outs] of the in-projection (q | k | v: KEY_WIDTH, KEY_WIDTH and
+    VALUE_WIDTH channels from column 0, the other columns not convolved): (which columns are q's,
+    k's, any of the three; each channel's tap offset; pointers to each row's window of K - 1
+    inputs [rows, outs, SLOTS], SLOTS a power of two; which of them this program owns)."""
     segment = tl.where(outs < KEY_WIDTH, 0, tl.where(outs < 2 * KEY_WIDTH, 1, 2))  # q, k, v (or past them)
     channel = outs - segment * KEY_WIDTH
     width = tl.where(segment == 2, VALUE_WIDTH, KEY_WIDTH)
     column_ok = channel < width
-    in_q, in_k, in_v = column_ok & (segment == 0), column_ok & (segment == 1), column_ok & (segment == 2)
-    taps_offsets = channel * K
-    convolved = in_q | in_k | in_v
-    pre = y * tl.load(_segment(q_taps_ptr, k_taps_ptr, taps_offsets + K - 1, in_q, in_k, v_taps_ptr), mask=convolved,
-                      other=0.0)
-    slots = tl.arange(0, SLOTS)  # SLOTS: K - 1 as a power of two
-    slot_ok = slots < K - 1
+    in_q, in_k = column_ok & (segment == 0), column_ok & (segment == 1)
+    convolved = column_ok
+    slots = tl.arange(0, SLOTS)
     state_offsets = ((rows.to(tl.int64)[:, None] * width[None, :] + channel[None, :]) * (K - 1))[:, :, None] + \
         slots[None, None, :]
-    owned = y_ok[:, :, None] & slot_ok[None, None, :]
-    owned &= convolved[None, :, None]
-    states = _segment(q_state_ptr, k_state_ptr, state_offsets, in_q[None, :, None], in_k[None, :, None], v_state_ptr)
-    window = tl.load(states, mask=owned, other=0.0)
+    windows = _segment(q_state_ptr, k_state_ptr, state_offsets, in_q[None, :, None], in_k[None, :, None], v_state_ptr)
+    owned = y_ok[:, :, None] & (slots < K - 1)[None, None, :] & convolved[None, :, None]
+    return in_q, in_k, convolved, channel * K, windows, owned
+
+
+@triton.jit
+def _convolution_loads(rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr, q_taps_ptr, k_taps_ptr, v_taps_ptr,
+                       KEY_WIDTH, VALUE_WIDTH, K: tl.constexpr, SLOTS: tl.constexpr):
+    """What `_convolve_outputs` reads besides the product, which a program loads before its K loop:
+    (each channel's last tap [outs], the taps times the window of K - 1 earlier inputs summed in
+    fp32 [rows, outs], the windows moved along by one, their last slot still to fill)."""
+    in_q, in_k, convolved, taps_offsets, windows, owned = _convolution_windows(
+        rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr, KEY_WIDTH, VALUE_WIDTH, K, SLOTS)
+    slots = tl.arange(0, SLOTS)
+    slot_ok = slots < K - 1
+    last_taps = tl.load(_segment(q_taps_ptr, k_taps_ptr, taps_offsets + K - 1, in_q, in_k, v_taps_ptr),
+                        mask=convolved, other=0.0).to(tl.float32)
     taps = tl.load(_segment(q_taps_ptr, k_taps_ptr, taps_offsets[:, None] + slots[None, :], in_q[:, None],
                             in_k[:, None], v_taps_ptr), mask=convolved[:, None] & slot_ok[None, :], other=0.0)
-    pre += tl.sum(window.to(tl.float32) * taps.to(tl.float32)[None, :, :], axis=2)
+    window = tl.load(windows, mask=owned, other=0.0)
+    window_sums = tl.sum(window.to(tl.float32) * taps.to(tl.float32)[None, :, :], axis=2)
+    shifted = tl.load(windows + 1, mask=owned & (slots + 1 < K - 1)[None, None, :], other=0.0)
+    return last_taps, window_sums, shifted
+
+
+@triton.jit
+def _convolve_outputs(y, last_taps, window_sums, shifted, rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr,
+                      KEY_WIDTH, VALUE_WIDTH, K: tl.constexpr, SLOTS: tl.constexpr):
+    """y [rows, outs] (fp32, rounded to the output's dtype) with its q, k and v columns through
+    their short convolutions, as ResLinShortConvolution runs them: silu(the taps [channels, K]
+    times the window [state, y]) summed in fp32, from `_convolution_loads`. Each channel's state
+    [rows, channels, K - 1] then moves along by y, in place. A program owns its outputs' channels:
+    no other program reads the states it writes."""
+    _, _, convolved, _, windows, owned = _convolution_windows(
+        rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr, KEY_WIDTH, VALUE_WIDTH, K, SLOTS)
+    pre = y * last_taps[None, :] + window_sums
     # The new state: slot j holds the window's input j + 1, the last slot this token's y.
-    moved = (slots + 1 < K - 1)[None, None, :]
-    shifted = tl.load(states + 1, mask=owned & moved, other=0.0)
+    moved = (tl.arange(0, SLOTS) + 1 < K - 1)[None, None, :]
     shifted = tl.where(moved, shifted, y[:, :, None].to(shifted.dtype))
     # Every read of the old states before the first write: a small tile is held by several threads.
     tl.debug_barrier()
-    tl.store(states, shifted, mask=owned)
+    tl.store(windows, shifted, mask=owned)
     return tl.where(convolved[None, :], pre * tl.sigmoid(pre), y)
 
 
