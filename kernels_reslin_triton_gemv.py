@@ -138,9 +138,10 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
                                                              VALUE_WIDTH, CONV_SIZE, CONV_SLOTS)
     # The row norm's 1/rms is one number a row: it factors out of the product, and its squares are
     # summed from the chunks the product loads anyway, so that no pass over x comes before the
-    # weights' loads. A split program sees only its span of K: it sums the whole row's squares first.
+    # weights' loads. A split program sees only its span of K, and a tl.dot tile (more than one
+    # row) keeps the pass before its pipelined loop: they sum the whole row's squares first.
     row_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM == "row" and SPLIT:
+    if NORM == "row" and (SPLIT or BLOCK_M > 1):
         for start in range(0, K, BLOCK_K):
             cols = start + positions
             x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
@@ -171,7 +172,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
         if NORM == "row":
             norm_weight = tl.load(norm_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             x = x.to(tl.float32)
-            if SPLIT:
+            if SPLIT or BLOCK_M > 1:
                 x = x * row_rstd[:, None]
             else:
                 row_squares += tl.sum(x * x, axis=1)
@@ -214,7 +215,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     elif SWAP_AB:
         acc = tl.trans(acc)
         up_acc = tl.trans(up_acc)
-    if NORM == "row" and not SPLIT:
+    if NORM == "row" and not (SPLIT or BLOCK_M > 1):
         row_rstd = 1.0 / tl.sqrt(row_squares / K + eps)
         acc *= row_rstd[:, None]
         up_acc *= row_rstd[:, None]
