@@ -15,8 +15,9 @@ model's weights take ~7 us a layer to read. Each entry point here is one launch:
 
 They round as often as the unfused path (modeling_reslin with kernels_reslin_triton_layers), so
 that a fused step stays within the unfused one's own rounding: the product's input once in x's
-dtype (the gated head norm as `rms_norm` with a gate stores it; the row norm's weight times x, its 1/rms
-applied to the fp32 product, since it factors out of it, where `rms_norm` casts the normed row),
+dtype (the gated head norm as `rms_norm` with a gate stores it; the row norm as `rms_norm` casts the
+normed row, but in a one-row program the norm's weight times x, its 1/rms applied to the fp32
+product, since it factors out of it),
 the product accumulated in fp32 and cast to x's dtype (as F.linear returns it), SwiGLU as
 `kernels_reslin_triton_layers.swiglu` forms it from those two cast products (silu(gate) * up in
 fp32, cast once), the residual added to the cast product in fp32 and cast once (a tensor add of
@@ -85,7 +86,8 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     """y [M, N] = epilogue(normed(x) @ weight.T) for the rows of a BLOCK_M tile and the outputs of
     a BLOCK_N tile, the weight's rows streamed over K in BLOCK_K chunks.
 
-    NORM: "none"; "row", the RMS norm over the whole row (its 1/rms applied to the product, below);
+    NORM: "none"; "row", the RMS norm over the whole row (in a one-row program its 1/rms applied to
+    the product, below);
     "gated_heads", the RMS norm of each group of GROUP channels (a head) times silu(gate), formed in
     each chunk, which holds whole heads. K is walked as K_SPAN padded positions, GROUP_BLOCK (a
     power of two) a group, of which the first GROUP are channels: a head of 48 channels takes 64

@@ -312,11 +312,11 @@ def test_bf16_at_real_sizes(reslin, monkeypatch, name, K, N, head_dim, rows, spl
     """bf16 compiled at the 400M shapes, a decode step's [B, 1, K]: within bf16 rounding of the
     fp32 reference (1e-2) and no further from it than the unfused bf16 path (+ 1e-3), and near
     that path: within one bf16 rounding (4e-3) where the two round in the same places, two (8e-3)
-    after the row norm, whose fused product rounds x times the norm's weight and applies 1/rms to
-    the fp32 sum where the unfused path rounds the normed row (SwiGLU's two products: over 4e-3
-    on an H100, 4.9-5.3e-3 in torch on the CPU with both roundings). With K split (at 4 and 16
-    rows, on the tl.dot path), the same bits at every call: the splits' sums are added in one
-    order whichever program ends last."""
+    after the row norm at one row, whose one-row program rounds x times the norm's weight and
+    applies 1/rms to the fp32 sum where the unfused path rounds the normed row (SwiGLU's two
+    products: over 4e-3 on an H100, 4.9-5.3e-3 in torch on the CPU with both roundings). With K
+    split (at 4 and 16 rows, on the tl.dot path), the same bits at every call: the splits' sums
+    are added in one order whichever program ends last."""
     monkeypatch.setattr(gemv, "SPLIT_K_MAX_ROWS", 16 if split else 0)
     monkeypatch.setattr(gemv, "SPLIT_K_MAX_TILES", 2**20)  # every product split, not only the default's
     inputs = make_inputs(name, (rows, 1), K, N, head_dim, dtype=torch.bfloat16)
@@ -328,7 +328,8 @@ def test_bf16_at_real_sizes(reslin, monkeypatch, name, K, N, head_dim, rows, spl
     assert y.shape == expected.shape and y.dtype == torch.bfloat16 and torch.isfinite(y).all()
     reference = fp32_reference(name, [t.float() for t in inputs], head_dim)
     assert rel_err(y, reference) <= min(1e-2, rel_err(expected, reference) + 1e-3)
-    assert rel_err(y, expected) <= (8e-3 if name in ("rms_norm_linear", "rms_norm_swiglu") else 4e-3)
+    two_roundings = rows == 1 and name in ("rms_norm_linear", "rms_norm_swiglu")
+    assert rel_err(y, expected) <= (8e-3 if two_roundings else 4e-3)
 
 
 def test_benchmark_smoke_run_prints_every_row_and_the_sweep(capsys, monkeypatch):
