@@ -16,8 +16,8 @@ model's weights take ~7 us a layer to read. Each entry point here is one launch:
 They round as often as the unfused path (modeling_reslin with kernels_reslin_triton_layers), so
 that a fused step stays within the unfused one's own rounding: the product's input once in x's
 dtype (the gated head norm as `rms_norm` with a gate stores it; the row norm as `rms_norm` casts the
-normed row, but in a one-row program the norm's weight times x, its 1/rms applied to the fp32
-product, since it factors out of it),
+normed row, but where the product is not a tl.dot (one row, a row tile) the norm's weight times
+x, its 1/rms applied to the fp32 product, since it factors out of it),
 the product accumulated in fp32 and cast to x's dtype (as F.linear returns it), SwiGLU as
 `kernels_reslin_triton_layers.swiglu` forms it from those two cast products (silu(gate) * up in
 fp32, cast once), the residual added to the cast product in fp32 and cast once (a tensor add of
@@ -81,13 +81,13 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
                  NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
                  CONV_SIZE: tl.constexpr, CONV_SLOTS: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-                 SPLIT: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                 SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr):
     """y [M, N] = epilogue(normed(x) @ weight.T) for the rows of a BLOCK_M tile and the outputs of
     a BLOCK_N tile, the weight's rows streamed over K in BLOCK_K chunks.
 
-    NORM: "none"; "row", the RMS norm over the whole row (in a one-row program its 1/rms applied to
-    the product, below);
+    NORM: "none"; "row", the RMS norm over the whole row (without DOT its 1/rms applied to the
+    product, below);
     "gated_heads", the RMS norm of each group of GROUP channels (a head) times silu(gate), formed in
     each chunk, which holds whole heads. K is walked as K_SPAN padded positions, GROUP_BLOCK (a
     power of two) a group, of which the first GROUP are channels: a head of 48 channels takes 64
@@ -96,23 +96,25 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     outputs that are q, k and v (`_convolve_outputs`) through their short convolutions.
 
     BLOCK_M == 1 (one token) multiplies the weight tile by the broadcast x row and sums along K:
-    every lane loads weight straight into registers, and nothing is padded. From two rows on, a
-    tl.dot of a 16-row tile: a broadcast product of BLOCK_M rows would hold BLOCK_M fp32 products
-    of the weight tile in registers at once, where the tensor cores take 16 rows at the cost of
-    one, and Triton's software pipeline keeps the next chunks' weight loads in flight through
-    shared memory (cp.async; the one-row path's single round of loads needs none). SWAP_AB forms
-    the transpose, weight @ x.T, so that the weight tile is the tensor cores' wide operand (on
-    Hopper, a wgmma of BLOCK_N >= 64 outputs against the 16 rows).
+    every lane loads weight straight into registers, and nothing is padded. Without DOT, a few
+    rows (a row tile) the same way, each weight element times every row's x: the weight read once
+    for the tile's rows, whose BLOCK_M fp32 products of the weight tile are held in registers at
+    once (small tiles only). DOT (BLOCK_M == 16): a tl.dot of a 16-row tile, where the tensor
+    cores take 16 rows at the cost of one, and Triton's software pipeline keeps the next chunks'
+    weight loads in flight through shared memory (cp.async; the broadcast paths' single round of
+    loads needs none). SWAP_AB forms the transpose, weight @ x.T, so that the weight tile is the
+    tensor cores' wide operand (on Hopper, a wgmma of BLOCK_N >= 64 outputs against the 16 rows).
 
     SPLIT (tl.dot tiles only): K is split among SPLITS programs along the grid's third axis, each
     over SPLIT_SPAN padded positions (a multiple of BLOCK_K), so that a product of few outputs
     still has enough programs to keep the memory busy; the tile's last program to finish adds the
     partial sums in split order and runs the epilogue (`_split_sums`).
 
-    PDL: launched with programmatic dependent launch, the one-row path with PRELOAD loads its first
-    chunk of weights before it waits for the previous kernel (`_wait_for_previous_kernel`), so
-    the weights must not be what that kernel wrote. The tl.dot path waits first: its loads are the
-    pipeline's."""
+    PDL: launched with programmatic dependent launch, the broadcast paths with PRELOAD load their
+    first chunk of weights before they wait for the previous kernel (`_wait_for_previous_kernel`),
+    so the weights must not be what that kernel wrote. The tl.dot path waits first: its loads are
+    the pipeline's."""
+    tl.static_assert(DOT or not (SWAP_AB or SPLIT), "only tl.dot tiles swap their product or split K")
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -122,7 +124,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     weight_rows = weight_ptr + outs.to(tl.int64)[:, None] * K
     up_weight_rows = up_weight_ptr + outs.to(tl.int64)[:, None] * K if SWIGLU else weight_rows
 
-    if PRELOAD and BLOCK_M == 1:
+    if PRELOAD and not DOT:
         cols, col_ok, _ = _chunk_columns(0, positions, K_SPAN, GROUP, GROUP_BLOCK)
         first_weight, first_up_weight = _weight_chunk(weight_rows, up_weight_rows, cols,
                                                       out_ok[:, None] & col_ok[None, :], SWIGLU)
@@ -140,10 +142,10 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
                                                              VALUE_WIDTH, CONV_SIZE, CONV_SLOTS)
     # The row norm's 1/rms is one number a row: it factors out of the product, and its squares are
     # summed from the chunks the product loads anyway, so that no pass over x comes before the
-    # weights' loads. A split program sees only its span of K, and a tl.dot tile (more than one
-    # row) keeps the pass before its pipelined loop: they sum the whole row's squares first.
+    # weights' loads. A tl.dot tile keeps the pass before its pipelined loop (faster there), and a
+    # split one sees only its span of K: they sum the whole row's squares first.
     row_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM == "row" and (SPLIT or BLOCK_M > 1):
+    if NORM == "row" and DOT:
         for start in range(0, K, BLOCK_K):
             cols = start + positions
             x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
@@ -161,7 +163,6 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SPLIT:
-        tl.static_assert(BLOCK_M > 1, "K is split among tl.dot tiles only")
         span_start = tl.program_id(2) * SPLIT_SPAN
         span_end = tl.minimum(span_start + SPLIT_SPAN, K_SPAN)
     else:
@@ -174,7 +175,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
         if NORM == "row":
             norm_weight = tl.load(norm_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             x = x.to(tl.float32)
-            if SPLIT or BLOCK_M > 1:
+            if DOT:
                 x = x * row_rstd[:, None]
             else:
                 row_squares += tl.sum(x * x, axis=1)
@@ -190,7 +191,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
                            other=0.0).to(tl.float32)
             x = (x * rstd * norm_weight[None, :] * gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty)
         weight_ok = out_ok[:, None] & col_ok[None, :]
-        if PRELOAD and BLOCK_M == 1:
+        if PRELOAD and not DOT:
             if start == 0:
                 weight, up_weight = first_weight, first_up_weight
             else:
@@ -202,6 +203,11 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
             acc += tl.sum(weight.to(tl.float32) * x, axis=1)
             if SWIGLU:
                 up_acc += tl.sum(up_weight.to(tl.float32) * x, axis=1)
+        elif not DOT:
+            x = x.to(tl.float32)[:, None, :]
+            acc += tl.sum(weight.to(tl.float32)[None, :, :] * x, axis=2)
+            if SWIGLU:
+                up_acc += tl.sum(up_weight.to(tl.float32)[None, :, :] * x, axis=2)
         elif SWAP_AB:
             acc = tl.dot(weight, tl.trans(x), acc, input_precision="ieee")
             if SWIGLU:
@@ -217,7 +223,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
     elif SWAP_AB:
         acc = tl.trans(acc)
         up_acc = tl.trans(up_acc)
-    if NORM == "row" and not (SPLIT or BLOCK_M > 1):
+    if NORM == "row" and not DOT:
         row_rstd = 1.0 / tl.sqrt(row_squares / K + eps)
         acc *= row_rstd[:, None]
         up_acc *= row_rstd[:, None]
@@ -466,7 +472,8 @@ def gemv_config(M, N, K, element_bytes, norm, head_dim=None, swiglu=False, resid
     group, group_block = (head_dim, group_block) if group_block else (BLOCK_K, BLOCK_K)  # else a position is a channel
     constexprs = dict(NORM=norm, SWIGLU=swiglu, RESIDUAL=residual, CONV_SIZE=conv_size,
                       CONV_SLOTS=_next_power_of_2(max(conv_size - 1, 1)), GROUP=group, GROUP_BLOCK=group_block,
-                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SWAP_AB=swap_ab, SPLIT=splits > 1)
+                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=BLOCK_M == DOT_BLOCK_M,
+                      SWAP_AB=swap_ab, SPLIT=splits > 1)
     return K_span, constexprs, warps, stages, splits, split_span
 
 

@@ -124,7 +124,8 @@ def rel_err(x, ref):
 def sweep_tiles(rows, N, K_span, group_block, weights):
     """Launch tiles to try besides gemv_launch's: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages,
     swap_ab, splits). From two rows on, the one-row tiles too, a program a row (the weight read
-    once from memory, and from L2 for the other rows), tl.dot tiles of K in one or two chunks
+    once from memory, and from L2 for the other rows), row tiles of 2, 4 or 8 rows a program (the
+    broadcast product of those rows, the weight read once for them), tl.dot tiles of K in one or two chunks
     (loaded in one round, as a row's) or in short chunks 6 or 8 stages deep, the transposed
     product (swap_ab) with wide weight tiles, and K split in 2, 4 or 8 where it has that many
     chunks."""
@@ -132,6 +133,8 @@ def sweep_tiles(rows, N, K_span, group_block, weights):
     tiles = [(1, n, k, w, 1, False, 1) for n in (1, 2, 4, 8) for k in (512, 1024, 2048, 4096) for w in (4, 8)
              if k <= K_block and n * k * weights <= 16384]
     if rows > 1:
+        tiles += [(m, n, k, w, 1, False, 1) for m in (2, 4, 8) for n in (1, 2, 4) for k in (256, 512, 1024, 2048)
+                  for w in (4, 8) if m <= rows and k <= K_block and m * n * k * weights <= 8192 * w // 4]
         tiles += [(16, n, k, 4, s, False, 1) for n in (16, 32, 64) for k in (64, 128, 256) for s in (2, 3, 4)
                   if k <= K_block and n * k * weights <= 8192]
         tiles += [(16, n, k, w, s, False, 1) for n in (16, 32) for k in (512, 1024, 2048) for w in (4, 8)

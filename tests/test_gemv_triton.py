@@ -7,8 +7,8 @@ Without a GPU they run in Triton's CPU interpreter in fp32: relative error <= 1e
 and 17 (the tl.dot path, 17 in two row tiles; the gated norm's 3 rows a program a row), K and N that fill no block, heads of 48 (masked
 lanes) and 128, leading dims [B, 1, K]; each with the launch's own blocks, with small ones
 that split K into several chunks and put many outputs in a program, with the tl.dot path's
-transposed product (weight @ x.T), and with K split among programs (each launch checked to leave
-its split counters at zero).
+transposed product (weight @ x.T), with K split among programs (each launch checked to leave
+its split counters at zero), and with row tiles (a few rows' broadcast product) in its place.
 
 On the GPU (`pytest -m gpu`) the kernels run compiled in bf16 at a 400M model's shapes for 1, 4
 and 16 rows: relative error <= 1e-2 against the fp32 reference (bf16 rounding of the normed input,
@@ -39,13 +39,15 @@ def on_gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 
 
-@pytest.fixture(params=["launch blocks", "small blocks", "swapped products", "split K"])
+@pytest.fixture(params=["launch blocks", "small blocks", "swapped products", "split K", "row tiles"])
 def blocks(request, monkeypatch):
     """The launch's own blocks, or small ones: several chunks along K on both paths (a one-row
     chunk of 128 positions; a tl.dot chunk of 32 in fp32, 16 for SwiGLU, or one head) and as many
     outputs a program as the tile allows (then N's last block is part empty); or the tl.dot path's
     transposed product, weight @ x.T; or K split among as many programs as it has chunks of 32
-    (16 for SwiGLU, a head for the gated norm) at every row count of the tl.dot path."""
+    (16 for SwiGLU, a head for the gated norm) at every row count of the tl.dot path; or, in
+    place of the tl.dot path, row tiles (the broadcast product of a few rows, which bench_gemv.py
+    --sweep ranks) of 4 rows and 4 outputs a program, over chunks of 64 positions or a head."""
     if request.param in ("small blocks", "split K"):
         monkeypatch.setattr(gemv, "MAX_BLOCK_K", 128)
         monkeypatch.setattr(gemv, "DOT_BLOCK_K", 64)
@@ -55,6 +57,12 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(gemv, "SPLIT_K_MAX_TILES", 2**20)
     if request.param == "swapped products":
         monkeypatch.setattr(gemv, "DOT_SWAP_AB", True)
+    if request.param == "row tiles":
+        launch = gemv.gemv_launch
+
+        def row_tiles(M, N, K_span, group_block, *args):
+            return launch(M, N, K_span, group_block, *args) if M == 1 else (4, 4, max(64, group_block), 4, 1, False, 1)
+        monkeypatch.setattr(gemv, "gemv_launch", row_tiles)
     return request.param
 
 
@@ -304,21 +312,29 @@ REAL_SIZES = [("rms_norm_linear", 1024, 2 * 1024 + 1024 + 3 * 8 + 1024, None),
               ("linear_residual", 2816, 1024, None)]
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["whole K", "split K"])
-@pytest.mark.parametrize("rows", [1, 4, 16])
+# (rows, tiles): the launch's tiles with K whole or split (the one-row path, or from 4 rows the
+# tl.dot path), and row tiles (4 rows and 2 outputs a program, chunks of 1024) for 4 and 16 rows.
+REAL_SIZE_TILES = [(rows, tiles) for rows in (1, 4, 16) for tiles in ("whole K", "split K", "row tiles")
+                   if rows > 1 or tiles != "row tiles"]
+
+
+@pytest.mark.parametrize("rows,tiles", REAL_SIZE_TILES, ids=[f"{rows}-{tiles}" for rows, tiles in REAL_SIZE_TILES])
 @pytest.mark.parametrize("name,K,N,head_dim", REAL_SIZES, ids=[case[0] for case in REAL_SIZES])
 @on_gpu
-def test_bf16_at_real_sizes(reslin, monkeypatch, name, K, N, head_dim, rows, split):
+def test_bf16_at_real_sizes(reslin, monkeypatch, name, K, N, head_dim, rows, tiles):
     """bf16 compiled at the 400M shapes, a decode step's [B, 1, K]: within bf16 rounding of the
     fp32 reference (1e-2) and no further from it than the unfused bf16 path (+ 1e-3), and near
     that path: within one bf16 rounding (4e-3) where the two round in the same places, two (8e-3)
-    after the row norm at one row, whose one-row program rounds x times the norm's weight and
-    applies 1/rms to the fp32 sum where the unfused path rounds the normed row (SwiGLU's two
-    products: over 4e-3 on an H100, 4.9-5.3e-3 in torch on the CPU with both roundings). With K
-    split (at 4 and 16 rows, on the tl.dot path), the same bits at every call: the splits' sums
-    are added in one order whichever program ends last."""
+    after the row norm at one row and in row tiles, whose broadcast product rounds x times the
+    norm's weight and applies 1/rms to the fp32 sum where the unfused path rounds the normed row
+    (SwiGLU's two products: over 4e-3 on an H100, 4.9-5.3e-3 in torch on the CPU with both
+    roundings). With K split (at 4 and 16 rows, on the tl.dot path), the same bits at every call:
+    the splits' sums are added in one order whichever program ends last."""
+    split = tiles == "split K"
     monkeypatch.setattr(gemv, "SPLIT_K_MAX_ROWS", 16 if split else 0)
     monkeypatch.setattr(gemv, "SPLIT_K_MAX_TILES", 2**20)  # every product split, not only the default's
+    if tiles == "row tiles":
+        monkeypatch.setattr(gemv, "gemv_launch", lambda *_: (4, 2, 1024, 4, 1, False, 1))
     inputs = make_inputs(name, (rows, 1), K, N, head_dim, dtype=torch.bfloat16)
     with torch.no_grad():
         y = fused(name, inputs, head_dim)
@@ -328,7 +344,7 @@ def test_bf16_at_real_sizes(reslin, monkeypatch, name, K, N, head_dim, rows, spl
     assert y.shape == expected.shape and y.dtype == torch.bfloat16 and torch.isfinite(y).all()
     reference = fp32_reference(name, [t.float() for t in inputs], head_dim)
     assert rel_err(y, reference) <= min(1e-2, rel_err(expected, reference) + 1e-3)
-    two_roundings = rows == 1 and name in ("rms_norm_linear", "rms_norm_swiglu")
+    two_roundings = (rows == 1 or tiles == "row tiles") and name in ("rms_norm_linear", "rms_norm_swiglu")
     assert rel_err(y, expected) <= (8e-3 if two_roundings else 4e-3)
 
 
