@@ -24,9 +24,10 @@ except ImportError:
                                               _wait_for_previous_kernel, programmatic_launch, tl, triton)
     from kernels_reslin_triton_layers import L2_EPS, MAX_L2_HEAD_SIZE
 
-# Warps a decode program: a state tile of 128 x 32 fp32 is 32 registers a thread on 4 warps, and
-# with R beside S ptxas spilled 148-204 bytes there at 255 registers (tools/compile_for_gpu.py
-# --registers); on 8 warps nothing.
+# Warps a decode program: a state tile of 128 x 32 fp32 is 32 registers a thread on 4 warps. With
+# R beside S ptxas spills 148-204 bytes there (tools/compile_for_gpu.py --registers) and nothing on
+# 8, yet 8 warps took the residual rules' step up to 2.9 us longer a layer and gained gdn ~0.05
+# (bench_decode, benchmarks/README.md).
 DECODE_WARPS = 4
 
 

@@ -203,7 +203,7 @@ def _gemv_kernel(x_ptr, gate_ptr, norm_weight_ptr, weight_ptr, up_weight_ptr, re
             acc += tl.sum(weight.to(tl.float32) * x, axis=1)
             if SWIGLU:
                 up_acc += tl.sum(up_weight.to(tl.float32) * x, axis=1)
-        elif not DOT:
+        elif not DOT:  # with one row this form compiles to other code (more registers, a spill at PDL)
             x = x.to(tl.float32)[:, None, :]
             acc += tl.sum(weight.to(tl.float32)[None, :, :] * x, axis=2)
             if SWIGLU:
@@ -287,13 +287,12 @@ def _convolution_windows(rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr
     width = tl.where(segment == 2, VALUE_WIDTH, KEY_WIDTH)
     column_ok = channel < width
     in_q, in_k = column_ok & (segment == 0), column_ok & (segment == 1)
-    convolved = column_ok
     slots = tl.arange(0, SLOTS)
     state_offsets = ((rows.to(tl.int64)[:, None] * width[None, :] + channel[None, :]) * (K - 1))[:, :, None] + \
         slots[None, None, :]
     windows = _segment(q_state_ptr, k_state_ptr, state_offsets, in_q[None, :, None], in_k[None, :, None], v_state_ptr)
-    owned = y_ok[:, :, None] & (slots < K - 1)[None, None, :] & convolved[None, :, None]
-    return in_q, in_k, convolved, channel * K, windows, owned
+    owned = y_ok[:, :, None] & (slots < K - 1)[None, None, :] & column_ok[None, :, None]
+    return in_q, in_k, column_ok, channel * K, windows, owned
 
 
 @triton.jit
@@ -324,6 +323,7 @@ def _convolve_outputs(y, last_taps, window_sums, shifted, rows, outs, y_ok, q_st
     times the window [state, y]) summed in fp32, from `_convolution_loads`. Each channel's state
     [rows, channels, K - 1] then moves along by y, in place. A program owns its outputs' channels:
     no other program reads the states it writes."""
+    # The windows' pointers again, not held in registers across the K loop.
     _, _, convolved, _, windows, owned = _convolution_windows(
         rows, outs, y_ok, q_state_ptr, k_state_ptr, v_state_ptr, KEY_WIDTH, VALUE_WIDTH, K, SLOTS)
     pre = y * last_taps[None, :] + window_sums

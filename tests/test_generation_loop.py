@@ -332,11 +332,16 @@ class TestOnGPU:
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+def generation_module(reslin):
+    """generation_reslin as the model files import it."""
+    return sys.modules[reslin.modeling.DeviceDecoding.__module__]
+
+
 @torch.no_grad()
 def test_the_step_embeds_as_the_embedding_module_does(reslin):
     """The own loop's step indexes a plain nn.Embedding's weight, and calls any other embedding (a
     hooked one, PEFT's wrapper, one with max_norm) as the module: the same rows either way."""
-    generation = sys.modules[reslin.modeling.DeviceDecoding.__module__]
+    generation = generation_module(reslin)
     embedding = torch.nn.Embedding(50, 8)
     token = torch.randint(0, 50, (3, 1))
     assert torch.equal(generation.embed(embedding, token), embedding(token))

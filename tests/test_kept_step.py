@@ -9,7 +9,6 @@ test_generation_loop. The GPU tests do the same through real CUDA graphs.
 """
 
 import gc
-import sys
 import weakref
 
 import pytest
@@ -18,11 +17,7 @@ import torch
 from conftest import build_model
 from test_cuda_graphs import state_tensors
 from test_generate import cache_of
-from test_generation_loop import assert_user_built_caches_continue_alike, generate_both
-
-
-def generation_module(reslin):
-    return sys.modules[reslin.modeling.DeviceDecoding.__module__]
+from test_generation_loop import assert_user_built_caches_continue_alike, generate_both, generation_module
 
 
 def kept_addresses(reslin, model):

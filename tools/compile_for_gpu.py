@@ -134,13 +134,13 @@ def layer_launches():
                               warps) for update in ((False, True) if has_state else (False,))]
                 variants.append((layer_kernels._short_conv_backward_kernel, dict(backward_conv, **flags), absent, warps))
     # A generation step's decode kernel on the in-projection's output (projected_decode_step), every
-    # rule's flags, heads of 128 and 256, on Triton's default 4 warps; under PDL with the states
+    # rule's flags, heads of 128 and 256, on its DECODE_WARPS; under PDL with the states
     # loaded before the wait, as the model's step launches it, and after.
     for head_size in (128, 256):
         BK, BV = decode_kernels._state_tile(head_size, head_size)
         variants += [(decode_kernels._projected_decode_step_kernel,
                       dict(BK=BK, BV=BV, DELTA=delta, RESIDUAL=residual, KACZMARZ=kaczmarz, PDL=pdl, PRELOAD=preload),
-                      (), 4)
+                      (), decode_kernels.DECODE_WARPS)
                      for delta, kaczmarz in ((False, False), (True, False), (True, True))
                      for residual in (False, True) for pdl, preload in ((False, False), (True, False), (True, True))]
     return variants
